@@ -1,0 +1,308 @@
+"""Patches for FAIR's Hiera: PyPI ``hiera-transformer`` and in-tree copies of it (``models/hiera.py``).
+
+Each replacement returns what FAIR's method returns, in the same layout and dtype, so any subset of
+them composes with the user's own (edited) methods. Together, the MAE step has no data-dependent
+shape: it traces with ``torch.compile(fullgraph=True)`` and runs under CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Callable, Optional
+
+import torch
+
+from ..ops import attention, loss, masking, step_graph
+from . import _base
+from ._base import Patch
+
+# Fingerprints (see _base.fingerprint) of FAIR's methods in hiera-transformer 0.1.4, which match
+# facebookresearch/hiera main as vendored into research repos.
+MASK_UNIT_ATTENTION_FORWARD = frozenset({"1858b2ecf667cca5"})
+HIERA_FORWARD = frozenset({"5b85aa9e5f0e0d8a"})
+GET_RANDOM_MASK = frozenset({"e965111f25ffeec2"})
+MAE_FORWARD_ENCODER = frozenset({"9b675f3cdba2366e"})
+MAE_FORWARD_DECODER = frozenset({"bd1eb989e0596170"})
+MAE_FORWARD_LOSS = frozenset({"9c07c1f6f0c3990c"})
+MAE_FORWARD = frozenset({"35299b559f87a5d3"})
+PIXEL_LABEL_2D = frozenset({"7b50ef890e5c911b"})
+PIXEL_LABEL_3D = frozenset({"3f00e4cb0df3e777"})
+UNDO_WINDOWING = frozenset({"dc319e1ecd229d7d"})
+APPLY_FUSION_HEAD = frozenset({"3e5d5a663ba3e0eb"})
+
+
+# --- attention -------------------------------------------------------------------------------
+
+
+def make_attention_forward(original: Callable, cls: type) -> Callable:
+    def mask_unit_attention_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """FAIR's MaskUnitAttention.forward, with q/k/v handed to SDPA as 4-D tensors."""
+        batch, tokens, _ = x.shape
+        num_windows = (tokens // (self.q_stride * self.window_size)) if self.use_mask_unit_attn else 1
+        out = attention.mask_unit_attention(self.qkv(x), num_windows, self.heads, self.q_stride, pool="max")
+        return self.proj(out)
+
+    return mask_unit_attention_forward
+
+
+# --- encoder ---------------------------------------------------------------------------------
+
+
+def encode(self, x, mask: Optional[torch.Tensor], n_keep: Optional[int], return_intermediates: bool):
+    """FAIR's Hiera.forward with the masked units dropped by a gather of static length ``n_keep``."""
+    if isinstance(x, list):  # slowfast training passes a list
+        x = x[0]
+    intermediates = []
+    unit_mask = None if mask is None else mask.view(x.shape[0], 1, *self.mask_spatial_shape)
+    x = self.patch_embed(x, mask=unit_mask)  # (B, N, C)
+    x = x + self.get_pos_embed()
+    x = self.unroll(x)  # (B, N, C), mask unit index fastest
+    if mask is not None:
+        keep_idx = masking.true_indices(mask, n_keep)  # (B, n_keep)
+        x = masking.keep_mask_units(x, keep_idx, mask.shape[1])  # (B, mu_size * n_keep, C)
+    for i, block in enumerate(self.blocks):
+        x = block(x)
+        if return_intermediates and i in self.stage_ends:
+            intermediates.append(self.reroll(x, i, mask=mask))
+    if mask is None:
+        x = self.head(self.norm(x.mean(dim=1)))
+    if return_intermediates:
+        return x, intermediates
+    return x
+
+
+def make_hiera_forward(original: Callable, cls: type) -> Callable:
+    def hiera_forward(self, x, mask=None, return_intermediates=False):
+        """FAIR's Hiera.forward; a given mask is read once to learn its (equal) keep count."""
+        n_keep = None if mask is None else masking.keep_count(mask)
+        return encode(self, x, mask, n_keep, return_intermediates)
+
+    return hiera_forward
+
+
+# --- MAE -------------------------------------------------------------------------------------
+
+
+def _module_of(cls: type):
+    return sys.modules[cls.__module__]
+
+
+def _super_forward(cls: type) -> Optional[Callable]:
+    """What ``super().forward`` means inside a method defined on ``cls``."""
+    for base in cls.__mro__[1:]:
+        if "forward" in base.__dict__:
+            return base.__dict__["forward"]
+    return None
+
+
+def check_encoder_parts(cls: type, module) -> Optional[str]:
+    reason = _base.method_matches(cls, "get_random_mask", GET_RANDOM_MASK)
+    if reason:
+        return reason
+    if _base.fingerprint(_super_forward(cls)) not in HIERA_FORWARD:
+        return f"super().forward of {cls.__name__} is not FAIR's Hiera.forward"
+    return _base.function_matches(module, "apply_fusion_head", APPLY_FUSION_HEAD)
+
+
+def make_mae_forward_encoder(original: Callable, cls: type) -> Callable:
+    fair_random_mask = cls.get_random_mask  # checked at patch time; checked again per call
+    apply_fusion_head = _module_of(cls).apply_fusion_head  # FAIR's (checked), already static
+
+    def random_mask(self, x, mask_ratio):
+        """FAIR's random mask (same RNG use) and its keep count, known without reading the mask."""
+        mask = self.get_random_mask(x, mask_ratio)  # (B, #MUs)
+        if type(self).get_random_mask is fair_random_mask:
+            return mask, masking.static_keep_count(mask.shape[1], mask_ratio)
+        return mask, masking.keep_count(mask)  # a subclass's own masking: count it
+
+    def encode_kept(self, x, mask, n_keep: int):
+        """Encoder features of the ``n_keep`` visible units, fused across scales."""
+        _, intermediates = encode(self, x, mask, n_keep, return_intermediates=True)
+        # resolution is unchanged after the q_pool stages, so their features are skipped
+        intermediates = intermediates[: self.q_pool] + intermediates[-1:]
+        fused = 0.0
+        for head, features in zip(self.multi_scale_fusion_heads, intermediates):
+            fused = fused + apply_fusion_head(head, features)  # (B, n_keep, *unit_final, C)
+        return self.encoder_norm(fused)
+
+    def mae_forward_encoder(self, x, mask_ratio, mask=None):
+        """FAIR's forward_encoder, with the masked units dropped by a static gather."""
+        if mask is None:
+            mask, n_keep = random_mask(self, x, mask_ratio)
+        else:
+            n_keep = masking.keep_count(mask)
+        return encode_kept(self, x, mask, n_keep), mask
+
+    mae_forward_encoder.random_mask = random_mask
+    mae_forward_encoder.encode_kept = encode_kept
+    return mae_forward_encoder
+
+
+def make_mae_forward_decoder(original: Callable, cls: type) -> Callable:
+    undo_windowing = _module_of(cls).undo_windowing  # FAIR's (checked): views and a permute
+
+    def mae_forward_decoder(self, x, mask):
+        """FAIR's forward_decoder; visible units are placed with a scatter instead of x_dec[mask]."""
+        x = self.decoder_embed(x)  # (B, n_keep, *unit_final, C)
+        keep_idx = masking.true_indices(mask, x.shape[1])  # (B, n_keep)
+        x = masking.place_mask_units(x, keep_idx, mask.shape[1], self.mask_token.view(-1))
+        # (B, #MUs, *unit_final, C) -> (B, *tokens_final, C) -> (B, #tokens, C)
+        tokens_shape, unit_shape = self.tokens_spatial_shape_final, self.mask_unit_spatial_shape_final
+        x = undo_windowing(x, tokens_shape, unit_shape)
+        x = x.reshape(x.shape[0], -1, x.shape[-1])
+        # (B, #MUs) keep mask -> (B, #MUs, *unit_final, 1) -> (B, #tokens), spatial order
+        pred_mask = mask.view(*mask.shape, *[1] * (len(unit_shape) + 1)).expand(*mask.shape, *unit_shape, 1)
+        pred_mask = undo_windowing(pred_mask, tokens_shape, unit_shape).reshape(x.shape[0], -1)
+        x = x + self.decoder_pos_embed
+        for block in self.decoder_blocks:
+            x = block(x)
+        x = self.decoder_pred(self.decoder_norm(x))  # (B, #tokens, pixels per token)
+        return x, pred_mask
+
+    return mae_forward_decoder
+
+
+def check_pixel_labels(cls: type, module) -> Optional[str]:
+    return _base.method_matches(cls, "get_pixel_label_2d", PIXEL_LABEL_2D) or _base.method_matches(
+        cls, "get_pixel_label_3d", PIXEL_LABEL_3D
+    )
+
+
+def make_mae_forward_loss(original: Callable, cls: type) -> Callable:
+    fair_label_2d, fair_label_3d = cls.get_pixel_label_2d, cls.get_pixel_label_3d
+
+    def static_loss(self, x, pred, mask, n_masked: Optional[int]):
+        """FAIR's forward_loss with ``n_masked`` rows per sample; None: read it from the mask."""
+        owner = type(self)
+        if owner.get_pixel_label_2d is not fair_label_2d or owner.get_pixel_label_3d is not fair_label_3d:
+            return original(self, x, pred, mask)  # a subclass changed the targets: keep its code
+        dims = len(self.q_stride)
+        if dims not in (2, 3):
+            raise NotImplementedError
+        if n_masked is None:
+            n_masked = masking.keep_count(mask, strict=False)
+            if n_masked is None:  # unequal counts: FAIR's concatenation of rows still applies
+                return original(self, x, pred, mask)
+        masked_idx = masking.true_indices(mask, n_masked)  # (B, n_masked)
+        if dims == 2:
+            patches = loss.pixel_patches_2d(x, self.pred_stride)
+        else:
+            patches = loss.pixel_patches_3d(x, self.pred_stride, self.patch_stride[0])
+        return loss.masked_mse(pred, patches, masked_idx)
+
+    def mae_forward_loss(self, x, pred, mask):
+        """FAIR's forward_loss: same (loss, pred[mask], label[mask]), from static gathers."""
+        return static_loss(self, x, pred, mask, None)
+
+    mae_forward_loss.static_loss = static_loss
+    return mae_forward_loss
+
+
+def make_mae_forward(original: Callable, cls: type) -> Callable:
+    encoder, decoder = cls.forward_encoder, cls.forward_decoder  # FAIR's or ours: both recognised
+    static_parts = (
+        getattr(encoder, _base.MARKER, None) == "fair.mae_encoder"
+        and getattr(decoder, _base.MARKER, None) == "fair.mae_decoder"
+    )
+
+    def static_step(self, x, mask, n_keep: int):
+        """Encoder, decoder and loss with every shape known from ``n_keep``: one static graph."""
+        latent = encoder.encode_kept(self, x, mask, n_keep)  # (B, n_keep, *unit_final, C)
+        pred, pred_mask = decoder(self, latent, mask)  # pred_mask: (B, #tokens), True = keep
+        n_masked = pred_mask.shape[1] - n_keep * math.prod(self.mask_unit_spatial_shape_final)
+        return type(self).forward_loss.static_loss(self, x, pred, ~pred_mask, n_masked)
+
+    def mae_forward(self, x, mask_ratio=0.6, mask=None):
+        """FAIR's forward. With our encoder, decoder and loss in place, the keep count is known
+        up front and the step after the (eager, FAIR-identical) random mask has static shapes."""
+        owner = type(self)
+        forward_loss = owner.forward_loss
+        ours_loss = getattr(forward_loss, _base.MARKER, None) == "fair.mae_loss"
+        unchanged = owner.forward_encoder is encoder and owner.forward_decoder is decoder
+        if static_parts and unchanged and ours_loss:
+            if mask is None:
+                mask, n_keep = encoder.random_mask(self, x, mask_ratio)
+            else:
+                n_keep = masking.keep_count(mask)
+            if step_graph.wanted(x):
+                return (*step_graph.run(static_step, self, x, mask, n_keep), mask)
+            return (*static_step(self, x, mask, n_keep), mask)
+        # Some part is the user's own code: FAIR's orchestration, our loss told the masked count.
+        latent, mask = self.forward_encoder(x, mask_ratio, mask=mask)  # (B, n_keep, *unit, C)
+        pred, pred_mask = self.forward_decoder(latent, mask)
+        if ours_loss and unchanged:
+            visible = latent.shape[1] * math.prod(self.mask_unit_spatial_shape_final)
+            n_masked = pred_mask.shape[1] - visible
+            return (*forward_loss.static_loss(self, x, pred, ~pred_mask, n_masked), mask)
+        return (*self.forward_loss(x, pred, ~pred_mask), mask)
+
+    return mae_forward
+
+
+def check_mae_parts(cls: type, module) -> Optional[str]:
+    return (
+        _base.method_matches(cls, "forward_encoder", MAE_FORWARD_ENCODER)
+        or _base.method_matches(cls, "forward_decoder", MAE_FORWARD_DECODER)
+        or _base.method_matches(cls, "forward_loss", MAE_FORWARD_LOSS)
+    )
+
+
+def check_undo_windowing(cls: type, module) -> Optional[str]:
+    return _base.function_matches(module, "undo_windowing", UNDO_WINDOWING)
+
+
+PATCHES = (
+    Patch(
+        "fair.attention",
+        "MaskUnitAttention",
+        "forward",
+        make_attention_forward,
+        MASK_UNIT_ATTENTION_FORWARD,
+        summary="4-D q/k/v so SDPA runs a fused kernel",
+    ),
+    Patch(
+        "fair.encoder",
+        "Hiera",
+        "forward",
+        make_hiera_forward,
+        HIERA_FORWARD,
+        summary="masked units dropped by a gather instead of boolean indexing",
+    ),
+    Patch(
+        "fair.mae_encoder",
+        "MaskedAutoencoderHiera",
+        "forward_encoder",
+        make_mae_forward_encoder,
+        MAE_FORWARD_ENCODER,
+        checks=(check_encoder_parts,),
+        summary="static keep count for FAIR's random mask",
+    ),
+    Patch(
+        "fair.mae_decoder",
+        "MaskedAutoencoderHiera",
+        "forward_decoder",
+        make_mae_forward_decoder,
+        MAE_FORWARD_DECODER,
+        checks=(check_undo_windowing,),
+        summary="scatter of visible units instead of boolean index assignment",
+    ),
+    Patch(
+        "fair.mae_loss",
+        "MaskedAutoencoderHiera",
+        "forward_loss",
+        make_mae_forward_loss,
+        MAE_FORWARD_LOSS,
+        checks=(check_pixel_labels,),
+        summary="pred[mask] / label[mask] by static gathers",
+    ),
+    Patch(
+        "fair.mae_forward",
+        "MaskedAutoencoderHiera",
+        "forward",
+        make_mae_forward,
+        MAE_FORWARD,
+        checks=(check_mae_parts,),
+        summary="passes the static masked count to the loss",
+    ),
+)
