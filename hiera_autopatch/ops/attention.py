@@ -1,0 +1,90 @@
+"""Mask-unit attention with 4-D q/k/v, so PyTorch's fused SDPA kernels run instead of the math path.
+
+FAIR hands SDPA 5-D tensors ``(B, heads, windows, tokens, head_dim)``; every fused backend rejects
+them. Folding windows into the batch gives ``(B*windows, heads, tokens, head_dim)``, which they
+accept, while the token layout in and out stays FAIR's (window index fastest).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .triton import window_attention as triton_attention
+
+MAX_FUSED_BATCH = 65535
+"""Flash and mem-efficient SDPA fail once the batch dim reaches 65,536: larger calls are split."""
+
+backend = "auto"
+"""``auto``, ``sdpa`` or ``triton``; set by the registry from ``HIERA_OPTIM_ATTENTION``."""
+
+TRITON_MAX_KEYS = 128
+"""``auto`` sends a call to our Triton kernel when each window's keys fit one 128-key block: all of
+Hiera's mask-unit attention and its short global stages. Longer sequences (the MAE decoder's 196
+tokens) go to SDPA, which was faster there on the H200 (benchmarks/results/h200_attention_kernels.json).
+Only inside torch.compile / our CUDA graphs: in plain eager the step is bound by kernel launches,
+and a custom op's launch costs more host time than SDPA's (measured: eager step 93 vs 82 ms)."""
+
+
+def use_triton(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int) -> bool:
+    """Which kernel runs this call: ours where it is faster and supports the shape, else SDPA."""
+    if backend == "sdpa":
+        return False
+    if not triton_attention.supports(qkv, num_windows, heads, q_stride):
+        return False
+    if backend == "triton":
+        return True
+    return (
+        qkv.is_cuda
+        and torch.compiler.is_compiling()
+        and qkv.shape[1] // num_windows <= TRITON_MAX_KEYS
+    )
+
+
+def pool_q(q: torch.Tensor, q_stride: int, pool: str) -> torch.Tensor:
+    """Max-pool q over the ``q_stride`` unrolled offsets. (..., T, D) -> (..., T // q_stride, D).
+
+    ``pool="max"`` is FAIR's ``max(dim).values`` (gradient to one index on ties),
+    ``pool="amax"`` is timm's (gradient split among ties).
+    """
+    *lead, tokens, head_dim = q.shape
+    q = q.view(*lead, q_stride, tokens // q_stride, head_dim)  # (..., S, T/S, D)
+    if pool == "amax":
+        return q.amax(dim=-3)
+    return q.max(dim=-3).values
+
+
+def sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on (batch, heads, tokens, head_dim), split past the batch limit."""
+    if q.shape[0] <= MAX_FUSED_BATCH:
+        return F.scaled_dot_product_attention(q, k, v)
+    outs = [
+        F.scaled_dot_product_attention(qc, kc, vc)
+        for qc, kc, vc in zip(q.split(MAX_FUSED_BATCH), k.split(MAX_FUSED_BATCH), v.split(MAX_FUSED_BATCH))
+    ]
+    return torch.cat(outs)
+
+
+def mask_unit_attention(
+    qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int, pool: str = "max"
+) -> torch.Tensor:
+    """Attention within each mask unit (``num_windows == 1``: global attention).
+
+    qkv: (B, N, 3 * heads * head_dim), the qkv Linear's output, token n = t * num_windows + w.
+    Returns (B, N // q_stride, heads * head_dim) in FAIR's layout, ready for the output Linear.
+    """
+    if use_triton(qkv, num_windows, heads, q_stride):
+        return triton_attention.window_attention(qkv, num_windows, heads, q_stride, pool)
+    batch, tokens, channels = qkv.shape
+    head_dim = channels // (3 * heads)
+    per_window = tokens // num_windows
+    # (B, T, nw, 3, H, D) -> (3, B, nw, H, T, D) -> (3, B*nw, H, T, D): one copy when nw > 1
+    qkv = qkv.view(batch, per_window, num_windows, 3, heads, head_dim).permute(3, 0, 2, 4, 1, 5)
+    qkv = qkv.reshape(3, batch * num_windows, heads, per_window, head_dim)
+    q, k, v = qkv.unbind(0)  # each (B*nw, H, T, D)
+    if q_stride > 1:
+        q = pool_q(q, q_stride, pool)  # (B*nw, H, T/S, D)
+    out = sdpa_4d(q, k, v)  # (B*nw, H, Tq, D)
+    out = out.view(batch, num_windows, heads, -1, head_dim)  # (B, nw, H, Tq, D)
+    # (B, Tq, nw, H, D) -> (B, Tq*nw, H*D): FAIR's x.transpose(1, 3).reshape(B, -1, dim_out)
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, -1, heads * head_dim)

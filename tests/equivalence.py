@@ -1,0 +1,188 @@
+"""Shared helpers: run one step unpatched and patched on the same inputs and RNG state, compare.
+
+A step returns every tensor the model returned, the input gradient and every parameter gradient.
+Tolerances are relative L2 errors per tensor, so one bad element in a large tensor still shows.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Callable, Dict, List
+
+import torch
+
+import hiera_autopatch
+
+FAIR_STRUCTURES = {
+    # heads and stage depths of FAIR's models; widths are shrunk to `width * heads` for CPU time
+    "tiny": dict(num_heads=1, stages=(1, 2, 7, 2)),
+    "small": dict(num_heads=1, stages=(1, 2, 11, 2)),
+    "base": dict(num_heads=1, stages=(2, 3, 16, 3)),
+    "base_plus": dict(num_heads=2, stages=(2, 3, 16, 3)),
+    "large": dict(num_heads=2, stages=(2, 6, 36, 4)),
+    "huge": dict(num_heads=4, stages=(2, 6, 36, 4)),
+}
+
+VIDEO = dict(
+    q_stride=(1, 2, 2),
+    mask_unit_size=(1, 8, 8),
+    patch_kernel=(3, 7, 7),
+    patch_stride=(2, 4, 4),
+    patch_padding=(1, 3, 3),
+    sep_pos_embed=True,
+)
+
+
+def fair_model(kind: str = "mae", structure: str = "tiny", width: int = 8, video: bool = False, **kwargs):
+    """A FAIR Hiera (``kind="cls"``) or MaskedAutoencoderHiera with the real stage structure."""
+    import hiera
+
+    spec = dict(FAIR_STRUCTURES[structure])
+    spec["embed_dim"] = width * spec["num_heads"]
+    if video:
+        spec.update(VIDEO, input_size=(8, 64, 64))
+    else:
+        spec["input_size"] = (128, 128)
+    if kind == "mae":
+        spec.update(decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2, q_pool=2)
+        spec.update(kwargs)
+        return hiera.MaskedAutoencoderHiera(**spec)
+    spec.update(num_classes=10)
+    spec.update(kwargs)
+    return hiera.Hiera(**spec)
+
+
+def input_for(model, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    size = tuple(model.patch_stride[i] * s for i, s in enumerate(model.tokens_spatial_shape))
+    in_chans = model.patch_embed.proj.in_channels
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, in_chans, *size, generator=generator)
+
+
+@dataclasses.dataclass
+class StepResult:
+    outputs: List[torch.Tensor]
+    input_grad: torch.Tensor
+    param_grads: Dict[str, torch.Tensor]
+
+    def named(self) -> Dict[str, torch.Tensor]:
+        tensors = {f"output[{i}]": t for i, t in enumerate(self.outputs)}
+        tensors["input.grad"] = self.input_grad
+        tensors.update({f"grad[{name}]": g for name, g in self.param_grads.items()})
+        return tensors
+
+
+def _flatten(value) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _flatten(item)]
+    raise TypeError(f"unexpected output {type(value)}")
+
+
+def scalar_loss(outputs: List[torch.Tensor], seed: int = 1234) -> torch.Tensor:
+    """A loss that reaches every float output with a fixed random weighting (or the MAE loss)."""
+    generator = torch.Generator().manual_seed(seed)
+    total = 0.0
+    for out in outputs:
+        if out.is_floating_point() and out.requires_grad:
+            weight = torch.randn(out.shape, generator=generator).to(out.device, out.dtype)
+            total = total + (out.float() * weight.float()).sum() / max(out.numel(), 1)
+    return total
+
+
+def run_step(model, x: torch.Tensor, call: Callable, seed: int = 7, autocast_dtype=None) -> StepResult:
+    """Zero grads, seed the RNG, run ``call(model, x)``, backprop, collect everything."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        outputs = _flatten(call(model, x))
+    loss = outputs[0] if outputs[0].dim() == 0 else scalar_loss(outputs)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return StepResult([o.detach().clone() for o in outputs], x.grad.detach().clone(), grads)
+
+
+def run_pair(model, x: torch.Tensor, call: Callable, **kwargs):
+    """(unpatched, patched) results of the same step; patching must be enabled by the caller."""
+    with hiera_autopatch.disabled():
+        unpatched = run_step(model, x, call, **kwargs)
+    patched = run_step(model, x, call, **kwargs)
+    return unpatched, patched
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def describe_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
+    diff = (a.double() - b.double()).abs()
+    worst = diff.flatten().argmax().item()
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), diff.shape)) if diff.dim() else ()
+    return f"max abs diff {diff.max().item():.3g} at {index}; {a.flatten()[worst].item():.6g} vs {b.flatten()[worst].item():.6g}"
+
+
+def assert_equivalent(unpatched: StepResult, patched: StepResult, out_tol: float, grad_tol: float) -> None:
+    """Same tensor set, same shapes/dtypes, relative L2 error within tolerance, masks identical."""
+    a, b = patched.named(), unpatched.named()
+    assert a.keys() == b.keys(), (sorted(a.keys() ^ b.keys()))
+    assert len(b) > 2, "nothing to compare"
+    for name in b:
+        pa, ub = a[name], b[name]
+        assert pa.shape == ub.shape and pa.dtype == ub.dtype, f"{name}: {pa.shape}/{pa.dtype} vs {ub.shape}/{ub.dtype}"
+        if not ub.is_floating_point():
+            assert torch.equal(pa, ub), f"{name} differs"
+            continue
+        assert torch.isfinite(pa).all(), f"{name}: non-finite values"
+        tol = out_tol if name.startswith("output") else grad_tol
+        err = rel_error(pa, ub)
+        assert err <= tol, f"{name}: relative error {err:.3g} > {tol:g}; {describe_mismatch(pa, ub)}"
+
+
+def assert_bounded(unpatched: StepResult, patched: StepResult, reference: StepResult, eps: float) -> None:
+    """Low precision against an fp32 reference, per tensor and over the whole model.
+
+    Per tensor: |patched - ref| <= 2 |unpatched - ref| + eps |ref| (L2 norms). ``eps`` absorbs the
+    rounding noise of small, cancellation-dominated gradients (a LayerNorm bias grad sums thousands
+    of terms to a tiny norm); a wrong gradient is off by ~100% and still fails. Over the model: the
+    mean relative error of the patched step may not exceed the unpatched one's by more than 25%.
+    """
+    a, b, r = patched.named(), unpatched.named(), reference.named()
+    assert a.keys() == b.keys() == r.keys()
+    sum_patched = sum_unpatched = 0.0
+    for name in r:
+        ref = r[name]
+        if not ref.is_floating_point():
+            assert torch.equal(a[name], b[name]) and torch.equal(b[name], ref), f"{name} differs"
+            continue
+        assert torch.isfinite(a[name]).all(), f"{name}: non-finite values"
+        ref64 = ref.double()
+        ref_norm = ref64.norm().item()
+        err_patched = (a[name].double() - ref64).norm().item()
+        err_unpatched = (b[name].double() - ref64).norm().item()
+        assert err_patched <= 2 * err_unpatched + eps * ref_norm, (
+            f"{name}: |patched - ref| {err_patched:.3g} > 2 x |unpatched - ref| {err_unpatched:.3g}"
+            f" + {eps:g} x |ref| {ref_norm:.3g}"
+        )
+        sum_patched += err_patched / max(ref_norm, 1e-30)
+        sum_unpatched += err_unpatched / max(ref_norm, 1e-30)
+    assert sum_patched <= 1.25 * sum_unpatched, (
+        f"mean relative error over all tensors: patched {sum_patched:.4g} vs unpatched {sum_unpatched:.4g}"
+    )
+    return sum_patched, sum_unpatched
+
+
+def low_precision_check(model, x, call, dtype=None, autocast_dtype=None, eps=0.05):
+    """fp32 reference (unpatched) vs unpatched and patched in ``dtype`` params or autocast."""
+    reference_model = copy.deepcopy(model).float()
+    with hiera_autopatch.disabled():
+        reference = run_step(reference_model, x.float(), call)
+    low = copy.deepcopy(model)
+    if dtype is not None:
+        low = low.to(dtype)
+        x = x.to(dtype)
+    unpatched, patched = run_pair(low, x, call, autocast_dtype=autocast_dtype)
+    return assert_bounded(unpatched, patched, reference, eps)

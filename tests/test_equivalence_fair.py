@@ -1,0 +1,219 @@
+"""FAIR Hiera (PyPI hiera-transformer): patched vs unpatched on the same inputs and RNG state."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+import hiera_autopatch
+from equivalence import (
+    assert_equivalent,
+    fair_model,
+    input_for,
+    low_precision_check,
+    run_pair,
+    run_step,
+)
+
+hiera = pytest.importorskip("hiera")
+
+FP32_OUT, FP32_GRAD = 1e-5, 1e-4
+LOW_EPS = {torch.bfloat16: 0.05, torch.float16: 0.01}  # see equivalence.assert_bounded
+
+
+@pytest.fixture(autouse=True)
+def patched():
+    hiera_autopatch.enable()
+    yield
+    hiera_autopatch.disable()
+
+
+def mae_call(mask_ratio=0.6):
+    return lambda model, x: model(x, mask_ratio=mask_ratio)
+
+
+def cls_call(model, x):
+    return model(x)
+
+
+def test_all_fair_patches_applied():
+    status = hiera_autopatch.status()["targets"]
+    applied = status["hiera.hiera"]["applied"] + status["hiera.hiera_mae"]["applied"]
+    assert sorted(applied) == sorted(
+        ["fair.attention", "fair.encoder", "fair.mae_encoder", "fair.mae_decoder", "fair.mae_loss", "fair.mae_forward"]
+    )
+    assert not status["hiera.hiera"]["skipped"] and not status["hiera.hiera_mae"]["skipped"]
+
+
+@pytest.mark.parametrize("structure", ["tiny", "small", "base", "base_plus", "large", "huge"])
+def test_mae_structures_fp32(structure):
+    torch.manual_seed(0)
+    model = fair_model("mae", structure)
+    unpatched, patched = run_pair(model, input_for(model), mae_call())
+    assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
+
+
+@pytest.mark.parametrize("structure", ["tiny", "base_plus", "huge"])
+@pytest.mark.parametrize("train", [True, False])
+def test_classification_fp32(structure, train):
+    torch.manual_seed(0)
+    model = fair_model("cls", structure).train(train)
+    unpatched, patched = run_pair(model, input_for(model), cls_call)
+    assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
+
+
+@pytest.mark.parametrize(
+    "q_pool, mask_ratio, in_chans",
+    [(1, 0.5, 3), (2, 0.6, 1), (3, 0.75, 8), (2, 0.9, 3), (3, 0.6, 3), (1, 0.75, 1)],
+)
+def test_mae_geometry_fp32(q_pool, mask_ratio, in_chans):
+    torch.manual_seed(0)
+    model = fair_model("mae", "tiny", q_pool=q_pool, in_chans=in_chans)
+    unpatched, patched = run_pair(model, input_for(model), mae_call(mask_ratio))
+    assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
+
+
+@pytest.mark.parametrize("q_pool", [1, 2])
+@pytest.mark.parametrize("mask_ratio", [0.5, 0.9])
+def test_mae_video_fp32(q_pool, mask_ratio):
+    torch.manual_seed(0)
+    model = fair_model("mae", "tiny", video=True, q_pool=q_pool)
+    unpatched, patched = run_pair(model, input_for(model), mae_call(mask_ratio))
+    assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
+
+
+def test_classification_video_fp32():
+    torch.manual_seed(0)
+    model = fair_model("cls", "tiny", video=True)
+    unpatched, patched = run_pair(model, input_for(model), cls_call)
+    assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
+
+
+@pytest.mark.parametrize("q_pool", [1, 2, 3])
+def test_encoder_with_user_mask_and_intermediates(q_pool):
+    torch.manual_seed(0)
+    model = fair_model("cls", "small", q_pool=q_pool)
+    x = input_for(model, batch=3)
+    mask = model.get_random_mask(x, mask_ratio=0.5)  # (B, #MUs), equal keep counts
+
+    def call(model, x):
+        return model(x, mask=mask, return_intermediates=True)
+
+    unpatched, patched = run_pair(model, x, call)
+    assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
+
+
+def test_classification_intermediates_without_mask():
+    torch.manual_seed(0)
+    model = fair_model("cls", "tiny")
+    unpatched, patched = run_pair(model, input_for(model), lambda m, x: m(x, return_intermediates=True))
+    assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
+
+
+def test_mae_user_mask_and_direct_methods():
+    """A user-supplied mask, and forward_encoder / forward_decoder / forward_loss called directly."""
+    torch.manual_seed(0)
+    model = fair_model("mae", "tiny")
+    x = input_for(model, batch=3)
+    mask = model.get_random_mask(x, mask_ratio=0.75)
+
+    def call(model, x):
+        latent, unit_mask = model.forward_encoder(x, 0.6, mask=mask)
+        pred, pred_mask = model.forward_decoder(latent, unit_mask)
+        return (*model.forward_loss(x, pred, ~pred_mask), latent, pred, pred_mask)
+
+    unpatched, patched = run_pair(model, x, call)
+    assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
+
+
+def test_unequal_keep_counts_get_a_clear_error():
+    model = fair_model("cls", "tiny")
+    x = input_for(model)
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[0, :3] = False
+    with pytest.raises(ValueError, match="same number of mask units"):
+        model(x, mask=mask)
+
+
+def test_forward_loss_with_unequal_counts_keeps_fair_result():
+    """forward_loss itself accepts any mask in FAIR's code; ours falls back to the same result."""
+    model = fair_model("mae", "tiny")
+    x = input_for(model)
+    pred = torch.randn(2, 64, model.decoder_pred.out_features)
+    mask = torch.rand(2, 64) > 0.5
+    mask[0, 0], mask[1, 0] = True, False
+    with hiera_autopatch.disabled():
+        expected = model.forward_loss(x, pred, mask)
+    got = model.forward_loss(x, pred, mask)
+    for e, g in zip(expected, got):
+        assert e.shape == g.shape and torch.allclose(e, g, rtol=1e-6, atol=1e-7)
+
+
+def test_same_seed_same_masks():
+    """Masks consume the RNG like FAIR's: a seeded A/B run sees identical masks and RNG state after."""
+    model = fair_model("mae", "tiny")
+    x = input_for(model)
+    torch.manual_seed(3)
+    with hiera_autopatch.disabled():
+        fair_mask = model(x)[-1]
+    fair_next = torch.rand(4)
+    torch.manual_seed(3)
+    our_mask = model(x)[-1]
+    our_next = torch.rand(4)
+    assert torch.equal(fair_mask, our_mask) and torch.equal(fair_next, our_next)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mae_low_precision_bounded(dtype):
+    torch.manual_seed(0)
+    model = fair_model("mae", "base")
+    low_precision_check(model, input_for(model), mae_call(), dtype=dtype, eps=LOW_EPS[dtype])
+
+
+def test_mae_autocast_bounded():
+    torch.manual_seed(0)
+    model = fair_model("mae", "base_plus")
+    low_precision_check(model, input_for(model), mae_call(), autocast_dtype=torch.bfloat16, eps=LOW_EPS[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_classification_low_precision_bounded(dtype):
+    torch.manual_seed(0)
+    model = fair_model("cls", "base_plus")
+    low_precision_check(model, input_for(model), cls_call, dtype=dtype, eps=LOW_EPS[dtype])
+
+
+def test_instance_built_before_activation_is_patched():
+    hiera_autopatch.disable()
+    model = fair_model("mae", "tiny")
+    x = input_for(model)
+    unpatched = run_step(model, x, mae_call())
+    hiera_autopatch.enable()
+    assert hasattr(type(model.blocks[0].attn).forward, "__hiera_autopatch__")
+    patched = run_step(model, x, mae_call())
+    assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
+
+
+def test_state_dict_pickle_deepcopy_isinstance():
+    with hiera_autopatch.disabled():
+        reference = fair_model("mae", "tiny")
+        keys = list(reference.state_dict().keys())
+    model = fair_model("mae", "tiny")
+    assert list(model.state_dict().keys()) == keys
+    model.load_state_dict(reference.state_dict())
+    assert isinstance(model, hiera.MaskedAutoencoderHiera) and isinstance(model, hiera.Hiera)
+    assert isinstance(model.blocks[0].attn, hiera.MaskUnitAttention)
+    assert hiera.MaskUnitAttention is hiera.hiera.MaskUnitAttention
+    clone = pickle.loads(pickle.dumps(model))
+    twin = copy.deepcopy(model)
+    x = input_for(model)
+    outs = []
+    for m in (model, clone, twin):
+        torch.manual_seed(5)
+        outs.append(m(x)[0])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    with hiera_autopatch.disabled():
+        torch.manual_seed(5)
+        fair_loss = reference(x)[0]
+    assert torch.allclose(outs[0], fair_loss, rtol=1e-5)

@@ -1,0 +1,114 @@
+"""ops/: 4-D attention against FAIR's 5-D formula (ties included), the batch split, masking helpers."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hiera_autopatch.ops import attention, masking
+
+
+def fair_attention(qkv, num_windows, heads, q_stride, pool):
+    """FAIR's MaskUnitAttention.forward between the two Linears (timm's with pool="amax")."""
+    batch, tokens, channels = qkv.shape
+    head_dim = channels // (3 * heads)
+    qkv = qkv.reshape(batch, -1, num_windows, 3, heads, head_dim).permute(3, 0, 4, 2, 1, 5)
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    if q_stride > 1:
+        q = q.view(batch, heads, num_windows, q_stride, -1, head_dim)
+        q = q.amax(dim=3) if pool == "amax" else q.max(dim=3).values
+    x = F.scaled_dot_product_attention(q, k, v)
+    return x.transpose(1, 3).reshape(batch, -1, heads * head_dim)
+
+
+def grads_of(fn, qkv, upstream):
+    qkv = qkv.detach().clone().requires_grad_(True)
+    out = fn(qkv)
+    out.backward(upstream)
+    return out.detach(), qkv.grad
+
+
+@pytest.mark.parametrize("pool", ["max", "amax"])
+@pytest.mark.parametrize(
+    "batch, tokens_per_window, num_windows, heads, head_dim, q_stride",
+    [(2, 16, 4, 1, 8, 1), (2, 16, 3, 2, 12, 4), (3, 64, 1, 2, 8, 4), (1, 20, 1, 4, 6, 1), (2, 4, 5, 3, 5, 4)],
+)
+def test_mask_unit_attention_matches_fair(pool, batch, tokens_per_window, num_windows, heads, head_dim, q_stride):
+    torch.manual_seed(0)
+    qkv = torch.randn(batch, tokens_per_window * num_windows, 3 * heads * head_dim, dtype=torch.float64)
+    # quantised values make ties in the q max-pool common: max and amax route gradients differently there
+    qkv = (qkv * 2).round() / 2
+    upstream = torch.randn(batch, tokens_per_window * num_windows // q_stride, heads * head_dim, dtype=torch.float64)
+    expected = grads_of(lambda t: fair_attention(t, num_windows, heads, q_stride, pool), qkv, upstream)
+    got = grads_of(lambda t: attention.mask_unit_attention(t, num_windows, heads, q_stride, pool), qkv, upstream)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-10, atol=1e-12)
+
+
+def test_tie_semantics_differ_so_the_test_above_can_fail():
+    """With ties, max sends the gradient to one index and amax splits it: the two must differ."""
+    torch.manual_seed(0)
+    qkv = (torch.randn(2, 64, 3 * 8, dtype=torch.float64) * 2).round() / 2
+    upstream = torch.randn(2, 16, 8, dtype=torch.float64)
+    _, grad_max = grads_of(lambda t: attention.mask_unit_attention(t, 4, 1, 4, "max"), qkv, upstream)
+    _, grad_amax = grads_of(lambda t: attention.mask_unit_attention(t, 4, 1, 4, "amax"), qkv, upstream)
+    assert not torch.allclose(grad_max, grad_amax)
+
+
+def test_batch_split_past_fused_limit(monkeypatch):
+    """Calls past the fused kernels' batch limit are split; the result is unchanged."""
+    torch.manual_seed(0)
+    qkv = torch.randn(3, 16 * 7, 3 * 2 * 8)
+    upstream = torch.randn(3, 16 * 7 // 4, 16)
+    whole = grads_of(lambda t: attention.mask_unit_attention(t, 7, 2, 4, "max"), qkv, upstream)
+    calls = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def counting_sdpa(q, k, v):
+        calls.append(q.shape[0])
+        return real_sdpa(q, k, v)
+
+    monkeypatch.setattr(attention, "MAX_FUSED_BATCH", 5)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting_sdpa)
+    split = grads_of(lambda t: attention.mask_unit_attention(t, 7, 2, 4, "max"), qkv, upstream)
+    assert calls == [5, 5, 5, 5, 1]  # 21 folded windows in chunks of at most 5
+    torch.testing.assert_close(split[0], whole[0])
+    torch.testing.assert_close(split[1], whole[1])
+
+
+def test_true_indices_and_gathers_match_boolean_indexing():
+    torch.manual_seed(0)
+    mask = torch.zeros(4, 10, dtype=torch.bool)
+    for row in range(4):
+        mask[row, torch.randperm(10)[:6]] = True
+    idx = masking.true_indices(mask, 6)
+    assert torch.equal(idx, torch.stack([row.nonzero().flatten() for row in mask]))
+    x = torch.randn(4, 10, 5)
+    assert torch.equal(masking.take_rows(x, idx), x[mask])
+    tokens = torch.randn(4, 3 * 10, 5)  # (B, mu * #units, C), unit index fastest
+    expected = tokens[mask[..., None].tile(1, 3, 5)].view(4, -1, 5)
+    assert torch.equal(masking.keep_mask_units(tokens, idx, 10), expected)
+
+
+def test_place_mask_units_matches_fair_assignment():
+    torch.manual_seed(0)
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[0, [1, 4]] = True
+    mask[1, [0, 5]] = True
+    visible = torch.randn(2, 2, 2, 2, 3)  # (B, n_keep, MUy, MUx, C)
+    token = torch.randn(3)
+    dense = torch.zeros(2, 6, 2, 2, 3)
+    expand = mask.view(2, 6, 1, 1, 1).expand(2, 6, 2, 2, 3)
+    dense[expand] = visible.flatten()
+    expected = ~expand * token + expand * dense
+    got = masking.place_mask_units(visible, masking.true_indices(mask, 2), 6, token)
+    assert torch.equal(got, expected)
+
+
+def test_keep_count():
+    mask = torch.tensor([[True, False, True], [False, True, True]])
+    assert masking.keep_count(mask) == 2
+    mask[0, 1] = True
+    with pytest.raises(ValueError, match="between 2 and 3"):
+        masking.keep_count(mask)
+    assert masking.keep_count(mask, strict=False) is None
+    assert masking.static_keep_count(49, 0.6) == 19
