@@ -1,0 +1,583 @@
+"""Mask-unit (windowed) attention for Hiera in Triton: q max-pool fused, FAIR's token layout in and out.
+
+What it computes is exactly FAIR's ``MaskUnitAttention.forward`` between the ``qkv`` and ``proj``
+Linears (``window_attention_reference`` below is that code, op for op):
+
+    qkv  (B, N, 3*H*D), N = T*nw, token n = t*nw + w (window index fastest), channel s*H*D + h*D + d
+    q, k, v = qkv.reshape(B, T, nw, 3, H, D).permute(3, 0, 4, 2, 1, 5)      # each (B, H, nw, T, D)
+    q = q.view(B, H, nw, S, T//S, D).max(dim=3).values   (S > 1; "amax": .amax(dim=3), timm)
+    x = softmax(q k^T / sqrt(D)) v                                           # (B, H, nw, Tq, D)
+    out = x.transpose(1, 3).reshape(B, Tq*nw, H*D)          # token tq*nw + w, channel h*D + d
+
+The kernels read q/k/v straight out of ``qkv`` with strides (no permute copies), pool q in
+registers, and write ``out`` (and, in backward, ``dqkv`` in ``qkv``'s layout) directly.
+
+Design, for Hiera's short windows (T = 16..196 keys, head_dim 32..128):
+- A program owns one (batch, head, group of G windows) and one block of its queries. The G windows
+  are packed block-diagonally: query rows are the group's G*Tq queries (window-major), key columns
+  its G*T keys, and scores across windows are masked. With T=16, G=4 fills a 64-key tile; the
+  wasted multiplies are cheap because this attention is memory-bound (~10 FLOP per byte).
+- Keys are visited in blocks with an online softmax (flash attention), skipping key blocks that
+  hold none of the query block's windows; when a group's keys fit one block (the usual case) the
+  loop runs once.
+- Forward saves the log-sum-exp per query row (base 2). Backward recomputes P. When a group's keys
+  fit one block, one kernel computes dk, dv and dq (delta = rowsum(P * dP), no read of ``out``);
+  otherwise a dk/dv kernel and a dq kernel run, with delta = rowsum(dout * out) from PyTorch.
+- dq goes back through the pool: for "max" to the first maximal of the S values (what torch's
+  ``max(dim).values`` backward does), for "amax" split evenly among the tied maxima.
+
+Chain (Liger-Kernel style): kernels -> ``window_attention_forward``/``window_attention_backward``
+-> custom ops with autograd (``hiera_autopatch::window_attention``) -> ``window_attention``;
+``supports`` says which calls it takes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+try:  # the module must import (and ``supports`` answer False) without triton
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+POOL_MODES = ("max", "amax")
+MAX_HEAD_DIM = 128  # BLOCK_D = next_pow2(D) <= 128 keeps the q/k/v tiles in registers/shared
+_LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ------------------------------------------------------------------------------------------------
+# PyTorch reference: FAIR's exact ops (for tests and for the fallback path)
+# ------------------------------------------------------------------------------------------------
+
+
+def window_attention_reference(
+    qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int, pool: str = "max"
+) -> torch.Tensor:
+    """FAIR ``MaskUnitAttention.forward`` from after ``self.qkv`` to before ``self.proj``."""
+    B, N, C3 = qkv.shape
+    D = C3 // (3 * heads)
+    # (3, B, H, nw, T, D)
+    qkv = qkv.reshape(B, -1, num_windows, 3, heads, D).permute(3, 0, 4, 2, 1, 5)
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    if q_stride > 1:
+        # (B, H, nw, S, Tq, D) -> (B, H, nw, Tq, D)
+        q = q.view(B, heads, num_windows, q_stride, -1, D)
+        q = q.max(dim=3).values if pool == "max" else q.amax(dim=3)
+    x = F.scaled_dot_product_attention(q, k, v)  # (B, H, nw, Tq, D)
+    return x.transpose(1, 3).reshape(B, -1, heads * D)  # (B, Tq*nw, H*D)
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton kernels
+# ------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+    # finite "minus infinity" for masked scores: a fully masked row gives finite weights, never NaN
+    _MASKED = tl.constexpr(-1.0e30)
+
+    @triton.jit
+    def _program_coords(pid, H: tl.constexpr, n_groups, n_blocks):
+        # pid -> (b, group, h, block), block fastest
+        blk = pid % n_blocks
+        rest = pid // n_blocks
+        h = rest % H
+        rest = rest // H
+        grp = rest % n_groups
+        b = rest // n_groups
+        return b, grp, h, blk
+
+    @triton.jit
+    def _query_rows(blk, w0, NW, G: tl.constexpr, Tq: tl.constexpr, BLOCK_M: tl.constexpr):
+        # query row i of this block = flat index m = blk*BLOCK_M + i over the group's G*Tq queries,
+        # window-major: m = g*Tq + tq, window w = w0 + g.
+        m = blk * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+        g = m // Tq
+        tq = m % Tq
+        ok = (m < G * Tq) & (w0 + g < NW)
+        return g, tq, w0 + g, ok
+
+    @triton.jit
+    def _key_cols(blk, w0, NW, G: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr):
+        # key column j of this block = flat index n = blk*BLOCK_N + j over the group's G*T keys,
+        # window-major: n = g*T + t, window w = w0 + g.
+        n = blk * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        g = n // T
+        t = n % T
+        ok = (n < G * T) & (w0 + g < NW)
+        return g, t, w0 + g, ok
+
+    @triton.jit
+    def _load_pooled_q(q_ptr, tq, w, mask, offs_d, NW, ROW: tl.constexpr, Tq: tl.constexpr,
+                       S: tl.constexpr):
+        # q_ptr: qkv of this batch element at channel h*D (the q part).
+        # Pool slot s of pooled row tq is token t = s*Tq + tq (FAIR: q.view(B, H, nw, S, Tq, D)),
+        # stored at qkv row t*nw + w.                                  -> (BLOCK_M, BLOCK_D)
+        q = tl.load(q_ptr + (tq * NW + w)[:, None] * ROW + offs_d[None, :], mask=mask, other=0.0)
+        for s in tl.static_range(1, S):
+            rows = (s * Tq + tq) * NW + w  # (BLOCK_M,)
+            q_s = tl.load(q_ptr + rows[:, None] * ROW + offs_d[None, :], mask=mask, other=0.0)
+            # (the cast is a no-op when compiled; the interpreter widens bf16 maxima to fp32)
+            q = tl.maximum(q, q_s, propagate_nan=tl.PropagateNan.ALL).to(q_s.dtype)
+        return q
+
+    @triton.jit
+    def _store_dq_through_pool(dq_ptr, q_ptr, dq, q_max, tq, w, mask, offs_d, NW,
+                               ROW: tl.constexpr, Tq: tl.constexpr, S: tl.constexpr,
+                               POOL_AMAX: tl.constexpr):
+        # dq: (BLOCK_M, BLOCK_D) fp32 gradient of the pooled q. Writes all S pool slots (zeros where
+        # a slot gets no gradient) so that dqkv needs no zero-fill.
+        if S == 1:
+            rows = tq * NW + w
+            tl.store(dq_ptr + rows[:, None] * ROW + offs_d[None, :],
+                     dq.to(dq_ptr.dtype.element_ty), mask=mask)
+        elif POOL_AMAX:
+            # amax backward: split evenly among the tied maxima
+            n_ties = tl.zeros_like(dq)
+            for s in tl.static_range(S):
+                rows = (s * Tq + tq) * NW + w
+                q_s = tl.load(q_ptr + rows[:, None] * ROW + offs_d[None, :], mask=mask, other=0.0)
+                n_ties += tl.where(q_s == q_max, 1.0, 0.0)
+            share = dq / tl.maximum(n_ties, 1.0)
+            for s in tl.static_range(S):
+                rows = (s * Tq + tq) * NW + w
+                q_s = tl.load(q_ptr + rows[:, None] * ROW + offs_d[None, :], mask=mask, other=0.0)
+                g_s = tl.where(q_s == q_max, share, 0.0)
+                tl.store(dq_ptr + rows[:, None] * ROW + offs_d[None, :],
+                         g_s.to(dq_ptr.dtype.element_ty), mask=mask)
+        else:
+            # max(dim).values backward: all of it to the first maximal slot
+            taken = tl.zeros_like(dq)  # 1.0 once a slot has taken the gradient
+            for s in tl.static_range(S):
+                rows = (s * Tq + tq) * NW + w
+                q_s = tl.load(q_ptr + rows[:, None] * ROW + offs_d[None, :], mask=mask, other=0.0)
+                first = (q_s == q_max) & (taken == 0.0)
+                taken = tl.where(first, 1.0, taken)
+                g_s = tl.where(first, dq, 0.0)
+                tl.store(dq_ptr + rows[:, None] * ROW + offs_d[None, :],
+                         g_s.to(dq_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _window_attention_fwd_kernel(
+        QKV, OUT, LSE,
+        NW, n_groups, n_q_blocks, qk_scale,
+        H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        Tq: tl.constexpr = T // S
+        ROW: tl.constexpr = 3 * H * D  # qkv row stride (elements)
+        OUT_ROW: tl.constexpr = H * D  # out row stride
+        b, grp, h, mb = _program_coords(tl.program_id(0), H, n_groups, n_q_blocks)
+        w0 = grp * G
+        b64 = b.to(tl.int64)
+        q_ptr = QKV + b64 * (NW * T * ROW) + h * D  # (T*nw rows, ROW) of batch b, q of head h
+        k_ptr = q_ptr + H * D
+        v_ptr = q_ptr + 2 * H * D
+
+        offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+        d_ok = offs_d < D
+        g_q, tq, w_q, q_ok = _query_rows(mb, w0, NW, G, Tq, BLOCK_M)  # (BLOCK_M,) each
+        q_mask = q_ok[:, None] & d_ok[None, :]  # (BLOCK_M, BLOCK_D)
+        q = _load_pooled_q(q_ptr, tq, w_q, q_mask, offs_d, NW, ROW, Tq, S)  # (BLOCK_M, BLOCK_D)
+
+        m_i = tl.full([BLOCK_M], _MASKED, tl.float32)  # running row max (base-2 logits)
+        l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+        # key blocks that hold the windows of this query block
+        m_first = mb * BLOCK_M
+        m_last = tl.minimum(m_first + BLOCK_M, G * Tq) - 1
+        kb_lo = (m_first // Tq) * T // BLOCK_N
+        kb_hi = ((m_last // Tq + 1) * T + BLOCK_N - 1) // BLOCK_N
+        for kb in range(kb_lo, kb_hi):
+            g_k, t_k, w_k, k_ok = _key_cols(kb, w0, NW, G, T, BLOCK_N)  # (BLOCK_N,) each
+            k_mask = k_ok[:, None] & d_ok[None, :]
+            k_rows = t_k * NW + w_k  # (BLOCK_N,) qkv rows
+            k = tl.load(k_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
+            v = tl.load(v_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN)
+            same = (g_q[:, None] == g_k[None, :]) & k_ok[None, :]
+            s = tl.where(same, s, _MASKED)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        # out (B, Tq*nw, H*D): row tq*nw + w, channel h*D + d
+        o_rows = tq * NW + w_q
+        o_ptr = OUT + b64 * (NW * Tq * OUT_ROW) + h * D
+        tl.store(o_ptr + o_rows[:, None] * OUT_ROW + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=q_mask)
+        # lse (B, H, nw, Tq), base 2
+        lse_off = ((b64 * H + h) * NW + w_q) * Tq + tq
+        tl.store(LSE + lse_off, m_i + tl.log2(l_i), mask=q_ok)
+
+    @triton.jit
+    def _window_attention_bwd_dkdv_kernel(
+        QKV, DOUT, LSE, DELTA, DQKV,
+        NW, n_groups, n_k_blocks, qk_scale, sm_scale,
+        H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        POOL_AMAX: tl.constexpr, SINGLE_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        # One key block: dk, dv over all query blocks that see it. SINGLE_KV (the group's keys fit
+        # this one block): each query row's P is complete here, so also delta and dq.
+        Tq: tl.constexpr = T // S
+        ROW: tl.constexpr = 3 * H * D
+        OUT_ROW: tl.constexpr = H * D
+        b, grp, h, nb = _program_coords(tl.program_id(0), H, n_groups, n_k_blocks)
+        w0 = grp * G
+        b64 = b.to(tl.int64)
+        qkv_off = b64 * (NW * T * ROW) + h * D
+        q_ptr = QKV + qkv_off
+        k_ptr = q_ptr + H * D
+        v_ptr = q_ptr + 2 * H * D
+        dq_ptr = DQKV + qkv_off
+        dk_ptr = dq_ptr + H * D
+        dv_ptr = dq_ptr + 2 * H * D
+        do_ptr = DOUT + b64 * (NW * Tq * OUT_ROW) + h * D
+        lse_ptr = LSE + (b64 * H + h) * NW * Tq  # (nw, Tq) of this (b, h)
+        delta_ptr = DELTA + (b64 * H + h) * NW * Tq
+
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        g_k, t_k, w_k, k_ok = _key_cols(nb, w0, NW, G, T, BLOCK_N)  # (BLOCK_N,) each
+        k_mask = k_ok[:, None] & d_ok[None, :]  # (BLOCK_N, BLOCK_D)
+        k_rows = t_k * NW + w_k
+        k = tl.load(k_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
+        v = tl.load(v_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+        # query blocks that hold the windows of this key block
+        n_first = nb * BLOCK_N
+        n_last = tl.minimum(n_first + BLOCK_N, G * T) - 1
+        mb_lo = (n_first // T) * Tq // BLOCK_M
+        mb_hi = ((n_last // T + 1) * Tq + BLOCK_M - 1) // BLOCK_M
+        for mb in range(mb_lo, mb_hi):
+            g_q, tq, w_q, q_ok = _query_rows(mb, w0, NW, G, Tq, BLOCK_M)  # (BLOCK_M,) each
+            q_mask = q_ok[:, None] & d_ok[None, :]  # (BLOCK_M, BLOCK_D)
+            q = _load_pooled_q(q_ptr, tq, w_q, q_mask, offs_d, NW, ROW, Tq, S)
+            o_rows = tq * NW + w_q
+            do = tl.load(do_ptr + o_rows[:, None] * OUT_ROW + offs_d[None, :], mask=q_mask,
+                         other=0.0)  # (BLOCK_M, BLOCK_D)
+            lse = tl.load(lse_ptr + w_q * Tq + tq, mask=q_ok, other=0.0)  # (BLOCK_M,)
+
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN)
+            same = (g_q[:, None] == g_k[None, :]) & q_ok[:, None] & k_ok[None, :]
+            p = tl.where(same, tl.exp2(s - lse[:, None]), 0.0)  # softmax probabilities
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BM, BN)
+            if SINGLE_KV:
+                delta = tl.sum(p * dp, 1)  # = rowsum(dout * out), with full rows of P here
+            else:
+                delta = tl.load(delta_ptr + w_q * Tq + tq, mask=q_ok, other=0.0)
+            ds = p * (dp - delta[:, None])  # d(loss)/d(q.k), without the scale
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+            if SINGLE_KV:
+                dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * sm_scale
+                _store_dq_through_pool(dq_ptr, q_ptr, dq, q, tq, w_q, q_mask, offs_d, NW, ROW,
+                                       Tq, S, POOL_AMAX)
+
+        tl.store(dk_ptr + k_rows[:, None] * ROW + offs_d[None, :],
+                 (dk * sm_scale).to(DQKV.dtype.element_ty), mask=k_mask)
+        tl.store(dv_ptr + k_rows[:, None] * ROW + offs_d[None, :],
+                 dv.to(DQKV.dtype.element_ty), mask=k_mask)
+
+    @triton.jit
+    def _window_attention_bwd_dq_kernel(
+        QKV, DOUT, LSE, DELTA, DQKV,
+        NW, n_groups, n_q_blocks, qk_scale, sm_scale,
+        H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        POOL_AMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        # One query block: dq over the key blocks it sees (only when keys span several blocks).
+        Tq: tl.constexpr = T // S
+        ROW: tl.constexpr = 3 * H * D
+        OUT_ROW: tl.constexpr = H * D
+        b, grp, h, mb = _program_coords(tl.program_id(0), H, n_groups, n_q_blocks)
+        w0 = grp * G
+        b64 = b.to(tl.int64)
+        qkv_off = b64 * (NW * T * ROW) + h * D
+        q_ptr = QKV + qkv_off
+        k_ptr = q_ptr + H * D
+        v_ptr = q_ptr + 2 * H * D
+        dq_ptr = DQKV + qkv_off
+        do_ptr = DOUT + b64 * (NW * Tq * OUT_ROW) + h * D
+        lse_ptr = LSE + (b64 * H + h) * NW * Tq
+        delta_ptr = DELTA + (b64 * H + h) * NW * Tq
+
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        g_q, tq, w_q, q_ok = _query_rows(mb, w0, NW, G, Tq, BLOCK_M)  # (BLOCK_M,) each
+        q_mask = q_ok[:, None] & d_ok[None, :]
+        q = _load_pooled_q(q_ptr, tq, w_q, q_mask, offs_d, NW, ROW, Tq, S)  # (BLOCK_M, BLOCK_D)
+        o_rows = tq * NW + w_q
+        do = tl.load(do_ptr + o_rows[:, None] * OUT_ROW + offs_d[None, :], mask=q_mask, other=0.0)
+        lse = tl.load(lse_ptr + w_q * Tq + tq, mask=q_ok, other=0.0)  # (BLOCK_M,)
+        delta = tl.load(delta_ptr + w_q * Tq + tq, mask=q_ok, other=0.0)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+        m_first = mb * BLOCK_M
+        m_last = tl.minimum(m_first + BLOCK_M, G * Tq) - 1
+        kb_lo = (m_first // Tq) * T // BLOCK_N
+        kb_hi = ((m_last // Tq + 1) * T + BLOCK_N - 1) // BLOCK_N
+        for kb in range(kb_lo, kb_hi):
+            g_k, t_k, w_k, k_ok = _key_cols(kb, w0, NW, G, T, BLOCK_N)
+            k_mask = k_ok[:, None] & d_ok[None, :]
+            k_rows = t_k * NW + w_k
+            k = tl.load(k_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
+            v = tl.load(v_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            same = (g_q[:, None] == g_k[None, :]) & q_ok[:, None] & k_ok[None, :]
+            p = tl.where(same, tl.exp2(s - lse[:, None]), 0.0)  # (BLOCK_M, BLOCK_N)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+
+        _store_dq_through_pool(dq_ptr, q_ptr, dq * sm_scale, q, tq, w_q, q_mask, offs_d, NW, ROW,
+                               Tq, S, POOL_AMAX)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host launchers
+# ------------------------------------------------------------------------------------------------
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def supports(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int) -> bool:
+    """True when the Triton kernel handles this call; otherwise use PyTorch SDPA."""
+    if not HAS_TRITON or not isinstance(qkv, torch.Tensor) or qkv.dim() != 3:
+        return False
+    if qkv.dtype not in _SUPPORTED_DTYPES:
+        return False
+    if not (qkv.is_cuda or (_interpreting() and qkv.device.type == "cpu")):
+        return False
+    B, N, C3 = qkv.shape
+    if heads <= 0 or num_windows <= 0 or q_stride <= 0 or C3 % (3 * heads) != 0:
+        return False
+    D = C3 // (3 * heads)
+    if not (1 <= D <= MAX_HEAD_DIM) or N % num_windows != 0:
+        return False
+    T = N // num_windows
+    if T == 0 or T % q_stride != 0:
+        return False
+    if B * num_windows * heads >= 2**31 // 4:  # program ids stay int32
+        return False
+    return True
+
+
+def default_config(T: int, q_stride: int, D: int, num_windows: int = 1 << 30) -> Dict[str, int]:
+    """Block sizes for one (T, S, D, nw). Memory-bound: the aim is full tiles, not fewer FLOPs.
+
+    G windows per program so that a group's keys fill a 64-key tile (T=16 -> G=4; never more
+    than nw); keys in blocks of at most 128 (T=196 -> 2 blocks); at least 16 rows/cols (tl.dot's
+    minimum). Not tuned on a GPU yet: scripts/bench_attention_kernels.py sweeps around it.
+    """
+    Tq = T // q_stride
+    G = max(1, min(64 // T, num_windows))
+    block_n = max(16, min(128, _next_pow2(G * T)))
+    block_m = max(16, min(64, _next_pow2(G * Tq)))
+    block_d = max(16, _next_pow2(D))
+    # backward holds k, v, dk, dv (BLOCK_N x BLOCK_D) and P, dP, dS (BLOCK_M x BLOCK_N) at once
+    return {"G": G, "BLOCK_M": block_m, "BLOCK_N": block_n,
+            "num_warps": 4 if block_m * block_n <= 64 * 64 else 8,
+            "num_warps_bwd": 8 if block_n * block_d >= 64 * 64 else 4,
+            "num_stages": 2}
+
+
+def _dims(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int):
+    B, N, C3 = qkv.shape
+    D = C3 // (3 * heads)
+    T = N // num_windows
+    return B, N, D, T, T // q_stride
+
+
+def _resolve(config: Optional[Dict[str, int]], T: int, q_stride: int, D: int, num_windows: int):
+    cfg = default_config(T, q_stride, D, num_windows)
+    if config:
+        cfg.update(config)
+    G = int(cfg["G"])
+    BM, BN = int(cfg["BLOCK_M"]), int(cfg["BLOCK_N"])
+    assert BM >= 16 and BN >= 16 and BM & (BM - 1) == 0 and BN & (BN - 1) == 0, cfg
+    return (G, BM, BN, max(16, _next_pow2(D)), int(cfg["num_warps"]), int(cfg["num_warps_bwd"]),
+            int(cfg["num_stages"]))
+
+
+def _on_device(t: torch.Tensor):
+    # Triton launches on the current CUDA device: make it the tensor's (multi-GPU, no DDP setup)
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 dots unless the user allowed tf32 for matmuls (as PyTorch does)
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def window_attention_forward(
+    qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int,
+    config: Optional[Dict[str, int]] = None, out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """qkv (B, N, 3*H*D) -> out (B, Tq*nw, H*D), lse (B, H, nw, Tq) fp32 (base-2 log-sum-exp)."""
+    qkv = qkv.contiguous()
+    B, N, D, T, Tq = _dims(qkv, num_windows, heads, q_stride)
+    G, BM, BN, BD, num_warps, _, num_stages = _resolve(config, T, q_stride, D, num_windows)
+    if out is None:
+        out = torch.empty(B, Tq * num_windows, heads * D, device=qkv.device, dtype=qkv.dtype)
+    lse = torch.empty(B, heads, num_windows, Tq, device=qkv.device, dtype=torch.float32)
+    n_groups = triton.cdiv(num_windows, G)
+    n_q_blocks = triton.cdiv(G * Tq, BM)
+    grid = (B * n_groups * heads * n_q_blocks,)
+    sm_scale = D ** -0.5
+    with _on_device(qkv):
+        _window_attention_fwd_kernel[grid](
+            qkv, out, lse,
+            num_windows, n_groups, n_q_blocks, sm_scale * _LOG2E,
+            H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
+            DOT_PRECISION=_dot_precision(qkv.dtype), num_warps=num_warps, num_stages=num_stages,
+        )
+    return out, lse
+
+
+def window_attention_backward(
+    dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    num_windows: int, heads: int, q_stride: int, pool: str = "max",
+    config: Optional[Dict[str, int]] = None, dqkv: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """-> dqkv (B, N, 3*H*D) in qkv's layout; every element written."""
+    if pool not in POOL_MODES:
+        raise ValueError(f"pool must be one of {POOL_MODES}, got {pool!r}")
+    qkv = qkv.contiguous()
+    dout = dout.contiguous()
+    B, N, D, T, Tq = _dims(qkv, num_windows, heads, q_stride)
+    G, BM, BN, BD, _, num_warps, num_stages = _resolve(config, T, q_stride, D, num_windows)
+    if dqkv is None:
+        dqkv = torch.empty_like(qkv)
+    n_groups = triton.cdiv(num_windows, G)
+    n_k_blocks = triton.cdiv(G * T, BN)
+    single_kv = n_k_blocks == 1
+    if single_kv:
+        delta = lse  # unused (the kernel takes delta from P * dP)
+    else:
+        # delta = rowsum(dout * out): (B, Tq, nw, H, D) -> (B, H, nw, Tq)
+        delta = (dout.float() * out.float()).view(B, Tq, num_windows, heads, D).sum(-1)
+        delta = delta.permute(0, 3, 2, 1).contiguous()
+    sm_scale = D ** -0.5
+    common = dict(H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
+                  POOL_AMAX=pool == "amax", DOT_PRECISION=_dot_precision(qkv.dtype),
+                  num_warps=num_warps, num_stages=num_stages)
+    with _on_device(qkv):
+        _window_attention_bwd_dkdv_kernel[(B * n_groups * heads * n_k_blocks,)](
+            qkv, dout, lse, delta, dqkv,
+            num_windows, n_groups, n_k_blocks, sm_scale * _LOG2E, sm_scale,
+            SINGLE_KV=single_kv, **common,
+        )
+        if not single_kv:
+            n_q_blocks = triton.cdiv(G * Tq, BM)
+            _window_attention_bwd_dq_kernel[(B * n_groups * heads * n_q_blocks,)](
+                qkv, dout, lse, delta, dqkv,
+                num_windows, n_groups, n_q_blocks, sm_scale * _LOG2E, sm_scale, **common,
+            )
+    return dqkv
+
+
+# ------------------------------------------------------------------------------------------------
+# Autograd function and functional entry point
+# ------------------------------------------------------------------------------------------------
+
+
+_CONFIG_KEYS = ("G", "BLOCK_M", "BLOCK_N", "num_warps", "num_warps_bwd", "num_stages")
+
+
+def _config_list(config: Optional[Dict[str, int]], qkv: torch.Tensor, num_windows: int, heads: int,
+                 q_stride: int) -> List[int]:
+    B, N, D, T, Tq = _dims(qkv, num_windows, heads, q_stride)
+    resolved = default_config(T, q_stride, D, num_windows)
+    resolved.update(config or {})
+    return [int(resolved[key]) for key in _CONFIG_KEYS]
+
+
+# Custom ops (not an autograd.Function): torch.compile treats them as opaque kernels and CUDA
+# graphs capture them, so the same kernel serves eager, compiled and graphed steps.
+@torch.library.custom_op("hiera_autopatch::window_attention", mutates_args=())
+def _forward_op(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int, pool: str,
+                config: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    return window_attention_forward(qkv, num_windows, heads, q_stride, dict(zip(_CONFIG_KEYS, config)))
+
+
+@_forward_op.register_fake
+def _forward_shapes(qkv, num_windows, heads, q_stride, pool, config):
+    B, N, D, T, Tq = _dims(qkv, num_windows, heads, q_stride)
+    out = qkv.new_empty(B, Tq * num_windows, heads * D)  # (B, Tq*nw, H*D)
+    lse = qkv.new_empty(B, heads, num_windows, Tq, dtype=torch.float32)  # (B, H, nw, Tq)
+    return out, lse
+
+
+@torch.library.custom_op("hiera_autopatch::window_attention_backward", mutates_args=())
+def _backward_op(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 num_windows: int, heads: int, q_stride: int, pool: str,
+                 config: List[int]) -> torch.Tensor:
+    return window_attention_backward(dout, qkv, out, lse, num_windows, heads, q_stride, pool,
+                                     dict(zip(_CONFIG_KEYS, config)))
+
+
+@_backward_op.register_fake
+def _backward_shapes(dout, qkv, out, lse, num_windows, heads, q_stride, pool, config):
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format)  # (B, N, 3*H*D)
+
+
+def _save_for_backward(ctx, inputs, output):
+    qkv, num_windows, heads, q_stride, pool, config = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(qkv, out, lse)
+    ctx.args = (num_windows, heads, q_stride, pool, config)
+
+
+def _backward(ctx, dout, dlse):
+    qkv, out, lse = ctx.saved_tensors
+    dqkv = _backward_op(dout, qkv, out, lse, *ctx.args)
+    return dqkv, None, None, None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_save_for_backward)
+
+
+def window_attention(
+    qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int, pool: str = "max",
+    config: Optional[Dict[str, int]] = None,
+) -> torch.Tensor:
+    """Hiera mask-unit attention: qkv (B, N, 3*H*D) -> (B, (N // S), H*D), FAIR's layouts.
+
+    ``pool``: "max" (FAIR, gradient to the first maximal slot) or "amax" (timm, split on ties).
+    Call ``supports(...)`` first; it is not checked here.
+    """
+    if pool not in POOL_MODES:
+        raise ValueError(f"pool must be one of {POOL_MODES}, got {pool!r}")
+    config_list = _config_list(config, qkv, num_windows, heads, q_stride)
+    return _forward_op(qkv.contiguous(), num_windows, heads, q_stride, pool, config_list)[0]

@@ -1,0 +1,251 @@
+"""Triton mask-unit attention vs FAIR's ops (``window_attention_reference``).
+
+CPU: runs the kernels in Triton's interpreter (TRITON_INTERPRET=1, set here before the kernel
+module is imported when no GPU is present), tiny shapes, fp32 and fp16. bf16 is GPU-only: the
+interpreter's bf16 ``tl.dot`` returns garbage (triton 3.8, checked on a 16x16 product).
+GPU: the real Hiera-B shapes, bf16 and fp32, skipped without CUDA.
+
+Every comparison gives reference and kernel the same input and the same upstream gradient, and
+checks the output and dqkv with per-dtype tolerances (normwise relative error vs a float64
+reference, plus an elementwise allclose that reports where it fails).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+_HAS_CUDA = torch.cuda.is_available()
+if not _HAS_CUDA:
+    # The interpreter is chosen when a kernel is decorated: set it before the module is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+wa = importlib.import_module("hiera_autopatch.ops.triton.window_attention")
+
+_INTERPRETED = wa.HAS_TRITON and type(wa._window_attention_fwd_kernel).__name__ == "InterpretedFunction"
+
+cpu_only = pytest.mark.skipif(
+    not _INTERPRETED,
+    reason="CPU tests need the Triton interpreter: TRITON_INTERPRET=1 before the kernel module is "
+    "imported (and triton installed)",
+)
+gpu_only = pytest.mark.skipif(
+    not (_HAS_CUDA and wa.HAS_TRITON and not _INTERPRETED),
+    reason="needs CUDA and compiled (not interpreted) Triton",
+)
+
+# dtype -> (max normwise relative error, atol, rtol) for the elementwise check
+TOLERANCES = {
+    torch.float32: (2e-5, 2e-5, 2e-5),
+    torch.float16: (2e-3, 5e-3, 1e-2),
+    torch.bfloat16: (1e-2, 3e-2, 5e-2),
+}
+
+
+def assert_close_verbose(name, actual, expected, dtype):
+    """Normwise relative error under the dtype's bound, then elementwise allclose; on failure say
+    how many elements mismatch and where the first ones are."""
+    max_rel, atol, rtol = TOLERANCES[dtype]
+    actual = actual.detach().double()
+    expected = expected.detach().double()
+    assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
+    assert torch.isfinite(actual).all(), f"{name}: non-finite values (unwritten or NaN)"
+    rel = ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+    bad = ~torch.isclose(actual, expected, atol=atol, rtol=rtol)
+    if rel > max_rel or bad.any():
+        idx = bad.nonzero()[:5].tolist()
+        pairs = [(i, actual[tuple(i)].item(), expected[tuple(i)].item()) for i in idx]
+        raise AssertionError(
+            f"{name} ({dtype}): rel err {rel:.3e} (max {max_rel:.0e}); {int(bad.sum())} of "
+            f"{bad.numel()} elements outside atol={atol}, rtol={rtol}; first (index, got, want): "
+            f"{pairs}"
+        )
+
+
+def make_qkv(B, nw, T, H, D, dtype, device, ties=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T * nw, 3 * H * D, generator=g)
+    if ties:
+        x = (x * 2).round() / 2  # values on a 0.5 grid: many exact ties inside each pool window
+    return x.to(dtype=dtype, device=device)
+
+
+def run_both(qkv, nw, H, S, pool, config=None, seed=1):
+    """Kernel (in qkv's dtype) and float64 reference on the same input and upstream grad."""
+    x = qkv.detach().clone().requires_grad_(True)
+    out = wa.window_attention(x, nw, H, S, pool, config)
+    g = torch.Generator().manual_seed(seed)
+    dout = torch.randn(out.shape, generator=g).to(out.dtype).to(out.device)
+    (dqkv,) = torch.autograd.grad(out, x, dout)
+
+    xr = qkv.detach().double().requires_grad_(True)
+    ref = wa.window_attention_reference(xr, nw, H, S, pool)
+    (dref,) = torch.autograd.grad(ref, xr, dout.double())
+    return out, dqkv, ref, dref
+
+
+# (B, nw, T, H, D, S, config): odd head dims, pooled and unpooled, global (nw=1), partial groups,
+# windows spread over several key/query blocks (exercises the dq kernel and block skipping).
+CPU_CASES = [
+    pytest.param(2, 3, 16, 2, 24, 1, None, id="nw3-T16-H2-D24"),
+    pytest.param(2, 3, 16, 2, 24, 4, None, id="nw3-T16-S4-H2-D24"),
+    pytest.param(1, 5, 16, 1, 40, 1, None, id="nw5-partial-group-D40"),
+    pytest.param(1, 2, 64, 1, 40, 4, None, id="nw2-T64-S4-D40"),
+    pytest.param(1, 1, 40, 2, 24, 1, None, id="global-T40"),
+    pytest.param(1, 1, 40, 1, 40, 1, {"BLOCK_M": 16, "BLOCK_N": 16}, id="global-T40-multiblock"),
+    pytest.param(1, 1, 32, 1, 24, 4, {"BLOCK_M": 16, "BLOCK_N": 16}, id="global-T32-S4-multiblock"),
+    pytest.param(1, 3, 16, 1, 24, 4, {"G": 2, "BLOCK_M": 16, "BLOCK_N": 16},
+                 id="G2-groups-span-blocks"),
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("B,nw,T,H,D,S,config", CPU_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_cpu_matches_reference(B, nw, T, H, D, S, config, dtype):
+    if dtype == torch.float16 and config is not None:
+        pytest.skip("block-layout variants are covered in fp32")
+    qkv = make_qkv(B, nw, T, H, D, dtype, "cpu")
+    out, dqkv, ref, dref = run_both(qkv, nw, H, S, "max", config)
+    assert out.dtype == dtype and dqkv.dtype == dtype
+    assert_close_verbose("out", out, ref, dtype)
+    assert_close_verbose("dqkv", dqkv, dref, dtype)
+
+
+@cpu_only
+@pytest.mark.parametrize("pool", ["max", "amax"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_cpu_pool_ties(pool, dtype):
+    """Quantised q: ties in every pool window. "max" sends dq to the first maximal slot (torch's
+    max(dim).values backward), "amax" splits it; each must match its own mode and differ from
+    the other's (so the check can fail)."""
+    B, nw, T, H, D, S = 1, 3, 16, 2, 24, 4
+    qkv = make_qkv(B, nw, T, H, D, dtype, "cpu", ties=True)
+    out, dqkv, ref, dref = run_both(qkv, nw, H, S, pool)
+    assert_close_verbose("out", out, ref, dtype)
+    assert_close_verbose("dqkv", dqkv, dref, dtype)
+
+    other = "amax" if pool == "max" else "max"
+    xr = qkv.detach().double().requires_grad_(True)
+    g = torch.Generator().manual_seed(1)
+    dout = torch.randn(out.shape, generator=g).to(dtype).double()
+    (d_other,) = torch.autograd.grad(wa.window_attention_reference(xr, nw, H, S, other), xr, dout)
+    rel = ((dqkv.double() - d_other).norm() / d_other.norm()).item()
+    assert rel > 1e-2, f"test has no ties: {pool} and {other} gradients agree (rel {rel:.1e})"
+
+
+@cpu_only
+def test_cpu_every_element_written():
+    """Poisoned (NaN) output buffers: the launchers must overwrite every element."""
+    B, nw, T, H, D, S = 1, 3, 16, 2, 24, 4
+    qkv = make_qkv(B, nw, T, H, D, torch.float32, "cpu")
+    out = torch.full((B, T // S * nw, H * D), float("nan"))
+    out, lse = wa.window_attention_forward(qkv, nw, H, S, out=out)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    dout = torch.randn_like(out)
+    dqkv = torch.full_like(qkv, float("nan"))
+    for config in (None, {"BLOCK_M": 16, "BLOCK_N": 16, "G": 2}):
+        dqkv.fill_(float("nan"))
+        wa.window_attention_backward(dout, qkv, out, lse, nw, H, S, "max", config, dqkv=dqkv)
+        assert torch.isfinite(dqkv).all(), config
+    # q slots that lose the max get exactly zero gradient: 3 of the 4 pool slots per (tq, d)
+    q_grad = dqkv.view(B, T, nw, 3, H, D)[:, :, :, 0]
+    assert (q_grad == 0).float().mean().item() >= 0.74
+
+
+@cpu_only
+def test_cpu_supports():
+    qkv = torch.randn(2, 48, 3 * 2 * 24)
+    assert wa.supports(qkv, 3, 2, 4)
+    assert not wa.supports(qkv, 5, 2, 1)  # N not a multiple of nw
+    assert not wa.supports(qkv, 3, 2, 3)  # T=16 not a multiple of S=3
+    assert not wa.supports(qkv, 3, 5, 1)  # channels not 3*H*D
+    assert not wa.supports(qkv.to(torch.int32), 3, 2, 1)
+    assert not wa.supports(torch.randn(1, 16, 3 * 160), 1, 1, 1)  # D=160 > 128
+    assert not wa.supports(qkv[0], 3, 2, 1)  # not 3-D
+
+
+def test_bad_pool_mode_raises():
+    with pytest.raises(ValueError, match="pool"):
+        wa.window_attention(torch.randn(1, 16, 3 * 16), 1, 1, 4, pool="mean")
+
+
+def test_supports_false_without_triton_or_device(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not wa.supports(torch.randn(2, 48, 144), 3, 2, 4)  # CPU tensor, no interpreter
+    monkeypatch.setattr(wa, "HAS_TRITON", False)
+    assert not wa.supports(torch.randn(2, 48, 144), 3, 2, 4)
+
+
+def test_reference_is_fairs_attention():
+    """``window_attention_reference`` followed by FAIR's proj equals FAIR's MaskUnitAttention."""
+    hiera = pytest.importorskip("hiera.hiera")
+    torch.manual_seed(0)
+    for dim, dim_out, heads, q_stride, window_size, mu in [
+        (16, 32, 2, 4, 4, True),  # pooled mask-unit attention: T=16, S=4
+        (32, 32, 2, 1, 16, True),
+        (32, 32, 4, 1, 0, False),  # global
+    ]:
+        m = hiera.MaskUnitAttention(dim, dim_out, heads, q_stride, window_size, mu).double()
+        x = torch.randn(2, 3 * 16, dim, dtype=torch.float64)
+        nw = (x.shape[1] // (q_stride * window_size)) if mu else 1
+        want = m(x)
+        got = m.proj(wa.window_attention_reference(m.qkv(x), nw, heads, q_stride, "max"))
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the real Hiera shapes (B=128, 224px)
+# ------------------------------------------------------------------------------------------------
+
+# (name, nw, T, H, D, S)
+GPU_SHAPES = [
+    ("stage1-mae", 19, 64, 1, 96, 1),
+    ("stage1-cls", 49, 64, 1, 96, 1),
+    ("stage2-pool", 19, 64, 2, 96, 4),
+    ("stage2", 19, 16, 2, 96, 1),
+    ("stage3-pool", 19, 16, 4, 96, 4),
+    ("stage3-global-mae", 1, 76, 4, 96, 1),
+    ("stage4-pool-global", 1, 76, 8, 96, 4),
+    ("stage3-global-cls", 1, 196, 4, 96, 1),
+    ("decoder", 1, 196, 16, 32, 1),
+]
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name,nw,T,H,D,S", GPU_SHAPES, ids=[s[0] for s in GPU_SHAPES])
+def test_gpu_matches_reference(name, nw, T, H, D, S, dtype):
+    B = 128 if dtype == torch.bfloat16 else 16
+    qkv = make_qkv(B, nw, T, H, D, dtype, "cuda", seed=sum(map(ord, name)))
+    assert wa.supports(qkv, nw, H, S)
+    out, dqkv, ref, dref = run_both(qkv, nw, H, S, "max")
+    torch.cuda.synchronize()
+    assert_close_verbose("out", out, ref, dtype)
+    assert_close_verbose("dqkv", dqkv, dref, dtype)
+
+
+@gpu_only
+@pytest.mark.parametrize("pool", ["max", "amax"])
+def test_gpu_pool_ties_bf16(pool):
+    nw, T, H, D, S = 19, 64, 2, 96, 4
+    qkv = make_qkv(8, nw, T, H, D, torch.bfloat16, "cuda", ties=True)
+    out, dqkv, ref, dref = run_both(qkv, nw, H, S, pool)
+    assert_close_verbose("out", out, ref, torch.bfloat16)
+    assert_close_verbose("dqkv", dqkv, dref, torch.bfloat16)
+
+
+@gpu_only
+@pytest.mark.parametrize("name,nw,T,H,D,S", GPU_SHAPES, ids=[s[0] for s in GPU_SHAPES])
+def test_gpu_every_element_written(name, nw, T, H, D, S):
+    B = 8
+    qkv = make_qkv(B, nw, T, H, D, torch.bfloat16, "cuda")
+    out = torch.full((B, T // S * nw, H * D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out, lse = wa.window_attention_forward(qkv, nw, H, S, out=out)
+    dqkv = torch.full_like(qkv, float("nan"))
+    wa.window_attention_backward(torch.randn_like(out), qkv, out, lse, nw, H, S, dqkv=dqkv)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and torch.isfinite(dqkv).all()
