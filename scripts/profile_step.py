@@ -1,0 +1,182 @@
+"""Where a training step's GPU time goes: ms/step and kernel time by kind, per configuration.
+
+    python scripts/profile_step.py --json out.json [--modes fair,patched,graphs,compile] [--batch 128]
+
+One process, one model (same weights, same input), configurations run one after the other:
+``fair`` (FAIR eager), ``patched`` (hiera_autopatch eager), ``graphs`` (HIERA_OPTIM_GRAPHS: the
+static MAE step under CUDA graphs, no user edit), ``compile`` (the user's own ``torch.compile``
+of the patched model); a ``-sdpa`` suffix keeps PyTorch SDPA instead of our Triton attention. FAIR is never compiled here, so class patching cannot leak into a compiled
+FAIR graph. Prints JSON; ratios in the JSON are FAIR-eager ms / config ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+
+import torch
+
+KERNEL_KINDS = [
+    ("attention", r"flash|fmha|attention|sdpa|_attn_|window_attention"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm90_|sm80_"),
+    ("conv", r"conv|implicit_convolve|winograd|dgrad|wgrad"),
+    ("layer_norm", r"layer_norm|layernorm|LayerNorm"),
+    ("index/gather/scatter", r"index|gather|scatter|nonzero|sort|radix"),
+    ("copy/layout", r"copy|Copy|transpose|permute|cat_|CatArray"),
+    ("reduce", r"reduce|Reduce|sum_|max_|amax"),
+    ("triton (fused)", r"^triton_"),
+    ("elementwise", r"elementwise|vectorized|unrolled|Elementwise"),
+]
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KERNEL_KINDS:
+        if re.search(pattern, name):
+            return kind
+    return "other"
+
+
+def build(args):
+    import hiera
+
+    model = getattr(hiera, args.model)().cuda().to(torch.bfloat16).train()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(args.batch, 3, 224, 224, device="cuda", generator=generator, dtype=torch.bfloat16)
+    return model, x
+
+
+def step(model, x):
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    loss = out[0] if isinstance(out, tuple) else out.float().square().mean()
+    loss.backward()
+    return loss
+
+
+def time_steps(fn, steps: int):
+    """Median/min/max ms per step with CUDA events, one event pair per step."""
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+
+
+def cpu_breakdown(fn, steps: int = 3):
+    """Host time per step by op (self CPU time): where launch overhead and Python go."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:20]
+    return [{"name": e.key[:120], "self_ms": e.self_cpu_time_total / 1000 / steps, "calls": e.count / steps}
+            for e in rows]
+
+
+def kernel_breakdown(fn, steps: int = 3):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    by_kind, by_name, count = {}, {}, 0
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us <= 0 or event.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
+            continue
+        if getattr(event, "device_type", None) is not None and "CUDA" not in str(event.device_type):
+            continue
+        ms = device_us / 1000 / steps
+        by_kind[kind_of(event.key)] = by_kind.get(kind_of(event.key), 0) + ms
+        by_name[event.key] = ms
+        count += event.count
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    return {
+        "total_ms": sum(by_kind.values()),
+        "kernels_per_step": count / steps,
+        "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "top_kernels_ms": [{"name": n[:120], "ms": ms} for n, ms in top],
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mae_hiera_base_224")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--modes", default="fair,patched,graphs,compile")
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--cpu-profile", default="", help="comma list of modes to profile on the host too")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+
+    import hiera_autopatch
+    from hiera_autopatch.ops import step_graph
+
+    model, x = build(args)
+    results = {
+        "command": " ".join(sys.argv),
+        "model": args.model, "batch": args.batch, "dtype": "bf16 params", "step": "forward+backward",
+        "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+        "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+        "modes": {},
+    }
+    for mode in args.modes.split(","):
+        # "<config>[-sdpa]": -sdpa keeps PyTorch SDPA for attention instead of our Triton kernel
+        config, _, attention = mode.partition("-")
+        hiera_autopatch.disable()
+        step_graph.enabled = False
+        runner = model
+        if config != "fair":
+            hiera_autopatch.enable(graphs=(config == "graphs"), attention=attention or "auto")
+        if config == "compile":
+            runner = torch.compile(model)
+        torch.cuda.reset_peak_memory_stats()
+        torch.manual_seed(0)
+        started = time.perf_counter()
+        for _ in range(3):  # warm-up (and compile / graph capture) outside the timing
+            step(runner, x)
+        torch.cuda.synchronize()
+        warmup_s = time.perf_counter() - started
+        timing = time_steps(lambda: step(runner, x), args.steps)
+        entry = {
+            "ms_per_step": timing,
+            "samples_per_s": args.batch * 1000 / timing["median"],
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "warmup_s": warmup_s,
+            "status": hiera_autopatch.status()["targets"].get("hiera.hiera_mae", {}),
+        }
+        if not args.no_profile:
+            entry["kernels"] = kernel_breakdown(lambda: step(runner, x))
+        if mode in args.cpu_profile.split(","):
+            entry["host_ops"] = cpu_breakdown(lambda: step(runner, x))
+        results["modes"][mode] = entry
+        print(f"{mode:10s} {timing['median']:8.2f} ms/step  peak {entry['peak_gib']:.1f} GiB  warm-up {warmup_s:.1f} s",
+              file=sys.stderr, flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(results, fh, indent=1)
+    fair_ms = results["modes"].get("fair", {}).get("ms_per_step", {}).get("median")
+    if fair_ms:
+        for entry in results["modes"].values():
+            entry["x_vs_fair_eager"] = fair_ms / entry["ms_per_step"]["median"]
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    print(json.dumps({m: (e["ms_per_step"]["median"], e.get("x_vs_fair_eager")) for m, e in results["modes"].items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""On the GPU: bf16 equivalence at real Hiera-B shapes, fused SDPA backends only, graphs mode.
+
+Skipped without CUDA. Run on the H200 with ``python -m pytest -q tests/test_gpu.py``.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hiera_autopatch
+from hiera_autopatch.ops import attention, step_graph
+from equivalence import assert_equivalent, low_precision_check, run_pair, run_step
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+hiera = pytest.importorskip("hiera")
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+except ImportError:  # torch < 2.3
+    sdpa_kernel = None
+
+
+@pytest.fixture(autouse=True)
+def patched():
+    hiera_autopatch.enable()
+    yield
+    hiera_autopatch.disable()
+    step_graph.enabled = False
+
+
+def images(batch, res=224, seed=0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(batch, 3, res, res, device="cuda", generator=generator)
+
+
+def mae_call(model, x):
+    return model(x, mask_ratio=0.6)
+
+
+@pytest.mark.parametrize("factory", ["mae_hiera_base_224", "mae_hiera_large_224"])
+def test_mae_bf16_bounded_against_fp32(factory):
+    torch.manual_seed(0)
+    model = getattr(hiera, factory)().cuda()
+    low_precision_check(model, images(16), mae_call, dtype=torch.bfloat16, eps=0.05)
+
+
+def test_mae_autocast_bounded_against_fp32():
+    torch.manual_seed(0)
+    model = hiera.mae_hiera_base_224().cuda()
+    low_precision_check(model, images(16), mae_call, autocast_dtype=torch.bfloat16, eps=0.05)
+
+
+@pytest.mark.parametrize("factory", ["hiera_base_224", "hiera_base_plus_224"])
+def test_classification_bf16_bounded_against_fp32(factory):
+    torch.manual_seed(0)
+    model = getattr(hiera, factory)().cuda()
+    low_precision_check(model, images(16), lambda m, x: m(x), dtype=torch.bfloat16, eps=0.05)
+
+
+def test_video_mae_bf16_bounded_against_fp32():
+    torch.manual_seed(0)
+    model = hiera.mae_hiera_base_16x224().cuda()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    clips = torch.randn(2, 3, 16, 224, 224, device="cuda", generator=generator)
+    low_precision_check(model, clips, mae_call, dtype=torch.bfloat16, eps=0.05)
+
+
+def test_fp32_matches_on_gpu():
+    torch.manual_seed(0)
+    model = hiera.mae_hiera_base_224().cuda()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    unpatched, patched = run_pair(model, images(8), mae_call)
+    assert_equivalent(unpatched, patched, 1e-5, 1e-4)
+
+
+@pytest.mark.skipif(sdpa_kernel is None, reason="torch.nn.attention.sdpa_kernel missing")
+@pytest.mark.parametrize("factory", ["mae_hiera_base_224", "hiera_base_224"])
+def test_every_patched_attention_runs_a_fused_backend(factory):
+    """With the math backend forbidden, the patched model runs; FAIR's 5-D calls cannot."""
+    model = getattr(hiera, factory)().cuda().to(torch.bfloat16)
+    x = images(32).to(torch.bfloat16)
+    with sdpa_kernel(FUSED):
+        out = model(x)
+        (out[0] if isinstance(out, tuple) else out.float().sum()).backward()
+        with hiera_autopatch.disabled(), pytest.raises(RuntimeError):
+            model(x)
+
+
+@pytest.mark.skipif(sdpa_kernel is None, reason="torch.nn.attention.sdpa_kernel missing")
+def test_timm_windowed_attention_runs_a_fused_backend():
+    timm = pytest.importorskip("timm")
+    model = timm.create_model("hiera_base_224", pretrained=False).cuda().to(torch.bfloat16)
+    x = images(16).to(torch.bfloat16)
+    with sdpa_kernel(FUSED):
+        model(x).float().sum().backward()
+        with hiera_autopatch.disabled(), pytest.raises(RuntimeError):
+            model(x)
+
+
+@pytest.mark.skipif(sdpa_kernel is None, reason="torch.nn.attention.sdpa_kernel missing")
+def test_batch_past_fused_limit_is_split_and_stays_fused():
+    """70,000 windows in one call: past the 65,535 batch limit of flash / mem-efficient."""
+    torch.manual_seed(0)
+    batch, windows, tokens, heads, head_dim = 1000, 70, 16, 1, 32
+    qkv = torch.randn(batch, tokens * windows, 3 * heads * head_dim, device="cuda", dtype=torch.bfloat16)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        out = attention.mask_unit_attention(qkv, windows, heads, 4, pool="max")
+    q, k, v = qkv.float().view(batch, tokens, windows, 3, heads, head_dim).permute(3, 0, 4, 2, 1, 5)
+    q = q.reshape(batch, heads, windows, 4, tokens // 4, head_dim).max(dim=3).values
+    ref = F.scaled_dot_product_attention(q, k, v).transpose(1, 3).reshape(batch, -1, heads * head_dim)
+    assert (out.float() - ref).norm() / ref.norm() < 1e-2
+
+
+def test_graphs_mode_matches_eager_patched():
+    """HIERA_OPTIM_GRAPHS: same masks, losses and grads as eager within bf16 noise, over steps."""
+    torch.manual_seed(0)
+    model = hiera.mae_hiera_base_224().cuda().to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    x = images(32).to(torch.bfloat16)
+    eager = [run_step(model, x, mae_call, seed=s) for s in range(3)]
+    step_graph.enabled = True
+    graphed = [run_step(twin, x, mae_call, seed=s) for s in range(3)]
+    assert step_graph.status()["compiled_steps"] == 1 and not step_graph.status()["failed"]
+    for e, g in zip(eager, graphed):
+        assert torch.equal(e.outputs[-1], g.outputs[-1])  # the mask
+        assert abs(e.outputs[0].item() - g.outputs[0].item()) <= 2e-2 * abs(e.outputs[0].item())
+        grads = [(e.param_grads[n].float(), g.param_grads[n].float()) for n in e.param_grads]
+        errors = [((a - b).norm() / a.norm().clamp_min(1e-12)).item() for a, b in grads]
+        assert sorted(errors)[len(errors) // 2] < 2e-2, max(errors)
