@@ -1,0 +1,215 @@
+#!/usr/bin/env python
+"""The README results table, generated from benchmarks/results/*.json (no hand-typed numbers).
+
+    python scripts/results_table.py                        # print the markdown
+    python scripts/results_table.py --write README.md      # replace the block between the markers
+    python scripts/results_table.py path/to/a.json ...     # other files
+
+The block in README.md sits between ``<!-- results:begin -->`` and ``<!-- results:end -->``.
+Every number comes from a JSON file written by ``python -m hiera_autopatch bench`` or
+``scripts/bench_matrix.py``; each table names the file and the command that made it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from typing import List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BEGIN = "<!-- results:begin -->"
+END = "<!-- results:end -->"
+SCHEMA_PREFIX = "hiera_autopatch.bench/"
+
+
+def load(paths: List[str]) -> List[tuple]:
+    records = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as exc:
+            print(f"results_table: skipping {path}: {exc}", file=sys.stderr)
+            continue
+        if not isinstance(data, dict) or not str(data.get("schema", "")).startswith(SCHEMA_PREFIX):
+            continue  # other results (profiles, kernel timings) live in the same folder
+        records.append((path, data))
+    return records
+
+
+def _ms(value) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _gib(value) -> str:
+    return f"{value / 2**30:.1f}" if value else "–"
+
+
+def _shape(config: dict) -> str:
+    size = config.get("input_size") or []
+    chans = config.get("in_chans")
+    return "×".join(str(v) for v in ([chans] if chans else []) + list(size)) or "?"
+
+
+def _what(config: dict) -> str:
+    task = config.get("task")
+    if task == "mae":
+        what = f"MAE (mask {config.get('mask_ratio')})"
+    elif task == "cls":
+        what = "classification"
+    else:
+        what = "?"
+    kwargs = config.get("model_kwargs") or {}
+    if kwargs:
+        what += ", " + ", ".join(f"{k}={v}" for k, v in kwargs.items())
+    options = config.get("patch_options") or {}
+    if options:
+        what += "; patched with " + ", ".join(f"{k}={v}" for k, v in options.items())
+    return what
+
+
+def _numerics(cell: dict) -> str:
+    num = cell.get("numerics")
+    if not num:
+        return "–"
+    if num.get("error"):
+        return "**check failed to run**"
+    verdict = "ok" if num.get("ok") else "**MISMATCH**"
+    if num.get("method") == "against an fp32 reference":
+        errs = num.get("grad_max_err_vs_fp32", {})
+        return f"{verdict} (max grad err vs fp32 {errs.get('unpatched', 0):.0e} → {errs.get('side', 0):.0e})"
+    return f"{verdict} (max grad rel diff {num.get('grad_max_rel_norm_diff', 0):.0e})"
+
+
+def _env_line(env: dict) -> str:
+    if env.get("gpu"):
+        hw = f"{env['gpu']} (sm {env.get('compute_capability')}, driver {env.get('driver') or '?'})"
+    else:
+        hw = f"CPU ({env.get('cpu_threads')} threads)"
+    parts = [hw, f"torch {env.get('torch')}"]
+    for key, name in (("triton", "triton"), ("cudnn", "cuDNN"), ("hiera_transformer", "hiera-transformer"), ("timm", "timm")):
+        if env.get(key):
+            parts.append(f"{name} {env[key]}")
+    if env.get("git_commit"):
+        parts.append(f"hiera_autopatch {env.get('hiera_autopatch')} @ {env['git_commit']}")
+    return ", ".join(parts)
+
+
+def render_record(path: str, data: dict, relative_to: str = ROOT) -> str:
+    env = data.get("environment", {})
+    cells = [c for c in data.get("results", []) if "config" in c]
+    third = any("hiera_optim" in c.get("sides", {}) for c in cells)
+    header = ["config", "model", "input", "batch", "dtype", "mode", "unpatched ms", "patched ms", "speed-up"]
+    if third:
+        header += ["hiera-optim ms", "hiera-optim speed-up"]
+    header += ["peak GiB (unpatched → patched)", "compile s (unpatched / patched)", "numerics", "attention (unpatched → patched)"]
+    rows = []
+    skipped = []
+    for cell in cells:
+        config = cell["config"]
+        name = config.get("label") or config.get("model", "?")
+        if cell.get("skipped"):
+            skipped.append(f"{name}/{config.get('mode')}")
+            continue
+        sides = cell.get("sides", {})
+        unp, pat = sides.get("unpatched", {}), sides.get("patched", {})
+        speedup = cell.get("speedup")
+        row = [
+            f"{config['label']}: {_what(config)}" if config.get("label") else _what(config),
+            f"`{config.get('model')}`",
+            _shape(config),
+            str(config.get("batch")),
+            str(config.get("dtype")),
+            str(config.get("mode")),
+            _ms(unp.get("ms_median")),
+            _ms(pat.get("ms_median")),
+            f"**{speedup:.2f}x**" if speedup else ("error" if cell.get("error") else "–"),
+        ]
+        if third:
+            opt = sides.get("hiera_optim", {})
+            ratio = (cell.get("speedups") or {}).get("hiera_optim")
+            row += [_ms(opt.get("ms_median")), f"{ratio:.2f}x" if ratio else "–"]
+        compile_s = "–"
+        if unp.get("compile_s") is not None or pat.get("compile_s") is not None:
+            compile_s = " / ".join(f"{s['compile_s']:.0f}" if s.get("compile_s") is not None else "–" for s in (unp, pat))
+
+        def kernels(side):
+            att = side.get("attention") or {}
+            return "+".join(att.get("backends") or []) or "–"
+
+        row += [
+            f"{_gib(unp.get('peak_mem_bytes'))} → {_gib(pat.get('peak_mem_bytes'))}",
+            compile_s,
+            _numerics(cell),
+            f"{kernels(unp)} → {kernels(pat)}",
+        ]
+        rows.append(row)
+    try:
+        shown = os.path.relpath(path, relative_to)
+    except ValueError:
+        shown = path
+    lines = [
+        f"**{_env_line(env)}** — median ms per forward+backward step, {_first(cells, 'steps')} timed steps per side; "
+        f"speed-up = unpatched ms / patched ms. Source: [`{shown}`]({shown}), made by `{env.get('command', '?')}`.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" if i < 6 else "---:" for i in range(len(header))) + "|",
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    if skipped:
+        lines += ["", f"Not run (time budget): {', '.join(skipped)}."]
+    return "\n".join(lines)
+
+
+def _first(cells: List[dict], key: str):
+    for cell in cells:
+        if cell["config"].get(key) is not None:
+            return cell["config"][key]
+    return "?"
+
+
+def render(records: List[tuple], relative_to: str = ROOT) -> str:
+    if not records:
+        return "_No benchmark results yet: run `scripts/bench_matrix.py` and commit its JSON under `benchmarks/results/`._"
+    return "\n\n".join(render_record(p, d, relative_to) for p, d in records)
+
+
+def replace_block(text: str, block: str) -> str:
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"markers {BEGIN} ... {END} not found")
+    return text[: start + len(BEGIN)] + "\n" + block + "\n" + text[end:]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="README results table from benchmark JSON files")
+    p.add_argument("files", nargs="*", help="JSON files (default benchmarks/results/*.json)")
+    p.add_argument("--write", metavar="README", help="rewrite the block between the results markers in this file")
+    args = p.parse_args(argv)
+    paths = args.files or sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json")))
+    relative_to = os.path.dirname(os.path.abspath(args.write)) if args.write else ROOT
+    block = render(load(paths), relative_to)
+    if not args.write:
+        print(block)
+        return 0
+    with open(args.write) as f:
+        text = f.read()
+    try:
+        new = replace_block(text, block)
+    except ValueError as exc:
+        print(f"results_table: error: --write {args.write}: {exc}", file=sys.stderr)
+        return 2
+    if new != text:
+        with open(args.write, "w") as f:
+            f.write(new)
+    print(f"results_table: {args.write}: {len(paths)} file(s) rendered", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,410 @@
+"""The benchmark command itself, on CPU: arguments, a tiny end-to-end run, JSON, plot, numerics check,
+the subprocess path, the matrix script and the README table script.
+
+Everything that turns patching on runs in a fresh interpreter (as conftest.py asks), all of those
+at once in one module fixture; argument checks and pure functions run here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+from conftest import explain, in_parallel, run_python
+
+from hiera_autopatch import _bench_run, bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--device", "cpu", "--res", "64", "--batch", "2", "--steps", "2", "--warmup", "1", "--quiet"]
+QUICK = ["--no-profile", "--steps", "1", "--warmup", "0"]
+
+SCENARIOS = """
+    # Several runs in one interpreter (each interpreter start costs seconds of imports): a run
+    # without hiera-optim installed, then two runs whose patched side is simply wrong (the MAE loss
+    # comes back scaled by 1.5). Prints {name: {code, stdout, stderr}} as JSON.
+    import contextlib, io, json, sys
+    from hiera import hiera_mae
+    from hiera_autopatch import _bench_run, bench
+
+    argv, json_path = sys.argv[1:-1], sys.argv[-1]
+    out = {}
+
+    def run(name, args):
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = bench.main(args)
+        out[name] = {"code": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+
+    _bench_run.hiera_optim_available = lambda: False
+    run("no_hiera_optim", argv + ["--hiera-optim", "--json", json_path])
+
+    cls = hiera_mae.MaskedAutoencoderHiera
+    pristine = cls.__dict__["forward"]
+    real_apply = _bench_run.apply_side
+
+    def apply_side(side, extra_modules=(), options=None):
+        real_apply(side, extra_modules, options)
+        if side == "patched":
+            current = cls.__dict__["forward"]
+
+            def forward(self, x, mask_ratio=0.6, mask=None):
+                loss, *rest = current(self, x, mask_ratio, mask)
+                return (loss * 1.5, *rest)
+
+            cls.forward = forward
+        else:
+            cls.forward = pristine
+
+    _bench_run.apply_side = apply_side
+    run("wrong_fp32", argv + ["--dtype", "fp32"])
+    run("wrong_bf16", argv + ["--dtype", "bf16"])
+    print(json.dumps(out))
+"""
+
+MATRIX_WITH_A_BROKEN_CELL = """
+    import importlib.util, sys
+    spec = importlib.util.spec_from_file_location("bench_matrix", "scripts/bench_matrix.py")
+    matrix = importlib.util.module_from_spec(spec)
+    sys.modules["bench_matrix"] = matrix
+    spec.loader.exec_module(matrix)
+    matrix.default_cells = lambda: [
+        matrix.Cell("broken", "mae_hiera_nonexistent_224"),
+        matrix.Cell("T-MAE", "mae_hiera_tiny_224"),
+    ]
+    sys.exit(matrix.main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run that patches, each in its own interpreter, all at once: {name: (result, folder)}."""
+    folder = tmp_path_factory.mktemp("bench_runs")
+    bench_cmd = ["-m", "hiera_autopatch.bench"]
+    jobs = {
+        "tiny": bench_cmd + TINY + ["--json", str(folder / "tiny.json"), "--plot", str(folder / "tiny.png")],
+        "scenarios": ["-c", textwrap.dedent(SCENARIOS)] + TINY + QUICK + [str(folder / "no_hiera_optim.json")],
+        "isolated": bench_cmd + TINY + ["--isolate", "--no-profile", "--steps", "1", "--json", str(folder / "isolated.json")],
+        "matrix": ["-c", textwrap.dedent(MATRIX_WITH_A_BROKEN_CELL), "--tiny", "--device", "cpu", "--steps", "1",
+                   "--no-profile", "--quiet", "--json", str(folder / "matrix.json")],
+    }
+    results = in_parallel({name: (lambda args=args: run_python(args, cwd=ROOT, timeout=600)) for name, args in jobs.items()})
+    return {name: (result, folder) for name, result in results.items()}
+
+
+def _scenario(runs, name) -> dict:
+    result, _ = runs["scenarios"]
+    assert result.returncode == 0, explain(result)
+    return json.loads(result.stdout.strip().splitlines()[-1])[name]
+
+
+def _json(runs, name, run="") -> dict:
+    result, folder = runs[run or name]
+    path = folder / f"{name}.json"
+    assert path.exists(), explain(result)
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Timings are not asserted here; one thread keeps a shared CI box from oversubscribing."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _load_script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------------------------------
+# Arguments
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--batch", "x"], "--batch"),
+        (["--batch", "0"], "--batch"),
+        (["--bogus"], "--bogus"),
+        (["--model-kwargs", "{not json"], "--model-kwargs"),
+        (["--model-kwargs", "[1, 2]"], "--model-kwargs"),
+        (["--dtype", "int8"], "--dtype"),
+        (["--mode", "fast"], "--mode"),
+        (["--res", "64", "--input-size", "64x64"], "--input-size"),
+        (["--input-size", "64x"], "--input-size"),
+        (["--mask-ratio", "1.5"], "--mask-ratio"),
+        (["--device", "tpu"], "--device"),
+    ],
+)
+def test_bad_argument_is_one_line_naming_the_flag(argv, flag, capsys):
+    assert bench.main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert flag in lines[0] and "Traceback" not in err
+    assert out == ""
+
+
+def test_unknown_model_is_a_usage_error(capsys):
+    assert bench.main(["--model", "mae_hiera_nonexistent_224"] + TINY) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model" in err[0] and "mae_hiera_nonexistent_224" in err[0]
+
+
+def test_model_that_refuses_its_kwargs_is_a_usage_error(capsys):
+    assert bench.main(["--model-kwargs", '{"no_such_argument": 1}'] + TINY) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model-kwargs" in err[0] and "no_such_argument" in err[0]
+
+
+def test_help_exits_zero(capsys):
+    assert bench.main(["--help"]) == 0
+    assert "--model-kwargs" in capsys.readouterr().out
+
+
+def test_model_kwargs_override_the_factory_and_leave_hiera_intact():
+    import torch
+    import hiera
+    from hiera import hiera_mae
+
+    spec = _bench_run.Spec(
+        model="mae_hiera_tiny_224",
+        model_kwargs={**_bench_run.TINY_MAE_KWARGS, "q_pool": 3},
+        res=64,
+        device="cpu",
+        dtype="fp32",
+    )
+    built = _bench_run.build_model(spec, torch.device("cpu"))
+    assert built.model.q_pool == 3 and built.task == "mae"
+    assert built.input_size == (64, 64) and built.in_chans == 3
+    assert isinstance(hiera_mae.MaskedAutoencoderHiera, type)  # the capture put the class back
+    assert isinstance(hiera.hiera.Hiera, type)
+
+
+def test_model_name_syntax():
+    assert _bench_run.parse_model_name("mae_hiera_base_224") == ("fair", "hiera", "mae_hiera_base_224")
+    assert _bench_run.parse_model_name("timm:hiera_base_224") == ("timm", "timm", "hiera_base_224")
+    assert _bench_run.parse_model_name("models.hiera:mae_hiera_base_224") == ("factory", "models.hiera", "mae_hiera_base_224")
+    with pytest.raises(_bench_run.BenchError):
+        _bench_run.parse_model_name("models.hiera:")
+
+
+# ------------------------------------------------------------------------------------------
+# End to end (fresh interpreters)
+
+
+def test_tiny_run_succeeds_and_numerics_agree(runs):
+    result, _ = runs["tiny"]
+    cell = _json(runs, "tiny")["results"][0]
+    assert cell["error"] is None
+    assert cell["numerics"]["ok"], cell["numerics"]["problems"]
+    assert result.returncode == 0, explain(result)
+    assert "x" in result.stdout and "numerics" in result.stdout and "% faster" not in result.stdout
+
+
+def test_json_schema(runs):
+    record = _json(runs, "tiny")
+    assert record["schema"] == "hiera_autopatch.bench/1"
+    env = record["environment"]
+    for key in ("torch", "triton", "cudnn", "device", "command", "hiera_autopatch", "python"):
+        assert key in env
+    assert env["command"].startswith("python -m hiera_autopatch bench --device cpu")
+    (cell,) = record["results"]
+    config = cell["config"]
+    for key in ("model", "input_size", "in_chans", "batch", "mask_ratio", "model_kwargs", "dtype", "mode", "task", "steps"):
+        assert key in config
+    assert config["input_size"] == [64, 64] and config["batch"] == 2 and config["task"] == "mae"
+    assert set(cell["sides"]) == {"unpatched", "patched"}
+    for side in cell["sides"].values():
+        for key in ("ms_median", "ms_min", "ms_max", "ms_all", "samples_per_s", "peak_mem_bytes", "compile_s", "warmup_s", "patches", "attention"):
+            assert key in side
+        assert len(side["ms_all"]) == 2 and side["ms_min"] <= side["ms_median"] <= side["ms_max"]
+        assert "backends" in side["attention"]
+    assert cell["sides"]["unpatched"]["patches"]["active"] == []
+    assert cell["speedup"] == pytest.approx(cell["sides"]["unpatched"]["ms_median"] / cell["sides"]["patched"]["ms_median"])
+    for key in ("loss_abs_diff", "loss_rel_diff", "grad_max_abs_diff", "grad_max_rel_norm_diff", "limits", "ok"):
+        assert key in cell["numerics"]
+
+
+def test_plot_is_a_png(runs):
+    result, folder = runs["tiny"]
+    with open(folder / "tiny.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n", explain(result)
+
+
+def test_stdout_table_from_json(runs):
+    from hiera_autopatch import _bench_report
+
+    text = _bench_report.format_record(_json(runs, "tiny"))
+    assert "unpatched" in text and "patched" in text and "1.00x" in text and "numerics" in text
+
+
+# ------------------------------------------------------------------------------------------
+# The numerics check catches a wrong patch
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_numerics_check_fails_for_a_wrong_patch(runs, dtype):
+    run = _scenario(runs, f"wrong_{dtype}")
+    assert run["code"] == 3, run
+    assert "MISMATCH" in run["stdout"]
+
+
+def test_compare_flags_missing_and_nonfinite_gradients():
+    import torch
+
+    g = {"a": torch.ones(3), "b": torch.ones(2)}
+    loss = torch.tensor(1.0)
+    ref = (loss, g)
+    assert _bench_run.compare(ref, (loss, dict(g)), "fp32")["ok"]
+    assert not _bench_run.compare(ref, (loss, {"a": g["a"], "b": None}), "fp32")["ok"]
+    assert not _bench_run.compare(ref, (loss, {"a": torch.full((3,), float("nan")), "b": g["b"]}), "fp32")["ok"]
+    assert not _bench_run.compare(ref, (loss, {"a": g["a"] * 1.01, "b": g["b"]}), "fp32")["ok"]
+    small = _bench_run.compare(ref, (loss * (1 + 1e-3), {"a": g["a"] * 1.01, "b": g["b"]}), "bf16")
+    assert small["ok"] and small["grad_max_rel_norm_param"] == "a"
+
+
+def test_low_precision_numerics_are_judged_against_fp32():
+    import torch
+
+    g32 = {"w": torch.ones(4), "v": torch.ones(4)}
+    golden = (torch.tensor(1.0), g32)
+    # unpatched bf16 is 30% off on w (real bf16 gradients can be that far off); patched as far: fine
+    ref = (torch.tensor(1.001), {"w": g32["w"] * 1.3, "v": g32["v"]})
+    same_noise = (torch.tensor(1.001), {"w": g32["w"] * 0.7, "v": g32["v"] * 1.01})
+    result = _bench_run.compare(ref, same_noise, "bf16", golden)
+    assert result["ok"], result["problems"]
+    assert result["method"] == "against an fp32 reference"
+    # patched is 50% off where unpatched is exact: wrong
+    wrong = (torch.tensor(1.001), {"w": g32["w"] * 1.3, "v": g32["v"] * 1.5})
+    result = _bench_run.compare(ref, wrong, "bf16", golden)
+    assert not result["ok"] and result["grad_worst_param"] == "v"
+    # the loss too
+    result = _bench_run.compare(ref, (torch.tensor(1.5), ref[1]), "amp", golden)
+    assert not result["ok"] and "loss" in result["problems"][0]
+
+
+def test_attention_backend_names():
+    names = {
+        "aten::_scaled_dot_product_attention_math": 2,
+        "aten::_scaled_dot_product_flash_attention": 1,
+        "aten::_scaled_dot_product_cudnn_attention": 1,
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": 1,
+    }
+    assert set(_bench_run.attention_backends(names)) == {"math", "flash", "cudnn", "efficient"}
+
+
+def test_hiera_optim_side_is_skipped_cleanly_when_absent(runs):
+    run = _scenario(runs, "no_hiera_optim")
+    assert run["code"] == 0, run
+    assert "third side skipped" in run["stderr"]
+    cell = _json(runs, "no_hiera_optim", run="scenarios")["results"][0]
+    assert set(cell["sides"]) == {"unpatched", "patched"} and "hiera_optim" in cell["note"]
+
+
+def test_hiera_optim_shims(monkeypatch):
+    """The two shims FACTS.md names, applied before hiera-optim's optimize() sees the model."""
+    import types
+
+    import hiera
+    import torch
+
+    seen = {}
+
+    def optimize(model):
+        seen["fusion"] = hasattr(hiera, "apply_fusion_head")
+        seen["ckpt"] = model._grad_checkpointing
+        return model
+
+    monkeypatch.setitem(sys.modules, "hiera_optim", types.SimpleNamespace(optimize=optimize))
+    had = hasattr(hiera, "apply_fusion_head")
+    saved = getattr(hiera, "apply_fusion_head", None)
+    if had:
+        delattr(hiera, "apply_fusion_head")
+    try:
+        model = torch.nn.Linear(2, 2)
+        assert _bench_run.apply_hiera_optim_side(model) is model
+        assert seen == {"fusion": True, "ckpt": False}
+    finally:
+        if had:
+            hiera.apply_fusion_head = saved
+        elif hasattr(hiera, "apply_fusion_head"):
+            delattr(hiera, "apply_fusion_head")
+
+
+# ------------------------------------------------------------------------------------------
+# Sides in fresh processes (the path compile and reduce-overhead take)
+
+
+def test_isolated_sides_run_in_child_processes(runs):
+    result, _ = runs["isolated"]
+    cell = _json(runs, "isolated")["results"][0]
+    assert result.returncode == 0, explain(result)
+    assert cell["sides"]["unpatched"]["ms_median"] > 0 and cell["sides"]["patched"]["ms_median"] > 0
+    assert cell["sides"]["unpatched"]["param_checksum"] == cell["sides"]["patched"]["param_checksum"]
+    assert cell["numerics"]["ok"], cell["numerics"]["problems"]
+    assert cell["sides"]["unpatched"]["patches"]["active"] == []
+    assert cell["sides"]["patched"]["patches"]["for_model"]  # enable() in the child reached FAIR's classes
+
+
+# ------------------------------------------------------------------------------------------
+# Matrix and README table scripts
+
+
+def test_matrix_records_a_failing_cell_and_goes_on(runs):
+    result, folder = runs["matrix"]
+    record = _json(runs, "matrix")
+    broken, good = record["results"]
+    assert "mae_hiera_nonexistent_224" in broken["error"]
+    assert good["error"] is None and good["speedup"] and good["config"]["label"] == "T-MAE"
+    assert result.returncode == 1, explain(result)
+    assert (folder / "matrix.png").exists()
+
+
+def test_matrix_budget_skips_and_records(tmp_path):
+    matrix = _load_script("bench_matrix")
+    json_path = str(tmp_path / "b.json")
+    assert matrix.main(["--only", "*/compile", "--budget-s", "1", "--device", "cpu", "--json", json_path]) == 0
+    with open(json_path) as f:
+        results = json.load(f)["results"]
+    assert results and all("budget" in r["skipped"] for r in results)
+
+
+def test_matrix_selection():
+    matrix = _load_script("bench_matrix")
+    cells = matrix.default_cells()
+    modes = {c.mode for c in cells}
+    assert modes == {"eager", "compile", "reduce-overhead"}
+    assert any(c.model_kwargs.get("q_pool") == 3 for c in cells) and any(c.model_kwargs.get("q_pool") == 2 for c in cells)
+    assert any("16x224" in c.model for c in cells) and any(c.model.startswith("timm:") for c in cells)
+    eager = matrix.select(cells, "*/eager")
+    assert eager and all(c.mode == "eager" for c in eager)
+    assert [c.mode for c in matrix.ordered(cells)][0] == "eager"
+
+
+def test_results_table_renders_and_rewrites_readme(runs, tmp_path):
+    table = _load_script("results_table")
+    _, folder = runs["tiny"]
+    json_path = str(folder / "tiny.json")
+    text = table.render(table.load([json_path]))
+    assert "| config |" in text and "mae_hiera_tiny_224" in text and "x**" in text
+    assert "python -m hiera_autopatch bench" in text
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# t\n\n{table.BEGIN}\nold\n{table.END}\n\nafter\n")
+    assert table.main([json_path, "--write", str(readme)]) == 0
+    new = readme.read_text()
+    assert "old" not in new and "mae_hiera_tiny_224" in new and new.endswith("after\n")
+    readme.write_text("no markers\n")
+    assert table.main([json_path, "--write", str(readme)]) == 2
