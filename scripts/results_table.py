@@ -34,10 +34,51 @@ def load(paths: List[str]) -> List[tuple]:
         except (OSError, ValueError) as exc:
             print(f"results_table: skipping {path}: {exc}", file=sys.stderr)
             continue
-        if not isinstance(data, dict) or not str(data.get("schema", "")).startswith(SCHEMA_PREFIX):
-            continue  # other results (profiles, kernel timings) live in the same folder
-        records.append((path, data))
-    return records
+        if isinstance(data, dict) and str(data.get("schema", "")).startswith(SCHEMA_PREFIX):
+            records.append((path, data))
+        elif isinstance(data, dict) and "modes" in data and "command" in data:
+            records.append((path, data))  # a scripts/profile_step.py profile
+    return records  # other results (kernel timings) live in the same folder
+
+
+PROFILE_MODES = {
+    "fair": "FAIR eager",
+    "patched": "patched eager",
+    "patched-sdpa": "patched eager, SDPA attention",
+    "graphs": "patched, HIERA_OPTIM_GRAPHS=1",
+    "graphs-sdpa": "patched, HIERA_OPTIM_GRAPHS=1, SDPA attention",
+    "compile": "patched + user's torch.compile (default mode)",
+}
+
+
+def render_profile(path: str, data: dict, relative_to: str = ROOT) -> str:
+    """A scripts/profile_step.py file: ms/step and GPU kernel time by kind, per configuration."""
+    source = os.path.relpath(path, relative_to)
+    kinds = ["gemm", "attention", "layer_norm", "triton (fused)", "copy/layout", "elementwise", "reduce"]
+    lines = [
+        f"**{data.get('gpu')}, torch {data.get('torch')}** — `{data.get('model')}`, batch {data.get('batch')}, "
+        f"{data.get('dtype')}, {data.get('step')}; median of 20 steps. GPU kernel time per step by kind from "
+        f"torch.profiler. Source: [`{source}`]({source}), made by `{data.get('command')}`.",
+        "",
+        *([f"_{data['note']}_", ""] if data.get("note") else []),
+        "| configuration | ms/step | vs FAIR eager | peak GiB | warm-up s | GPU kernel ms | kernels/step | "
+        + " | ".join(kinds) + " |",
+        "|---|" + "---:|" * (6 + len(kinds)),
+    ]
+    for mode, entry in data["modes"].items():
+        kernels = entry.get("kernels", {})
+        by_kind = kernels.get("by_kind_ms", {})
+        cells = [
+            PROFILE_MODES.get(mode, mode),
+            _ms(entry["ms_per_step"]["median"]),
+            f"**{entry['x_vs_fair_eager']:.2f}x**" if entry.get("x_vs_fair_eager") else "–",
+            f"{entry['peak_gib']:.1f}",
+            f"{entry['warmup_s']:.0f}",
+            _ms(kernels.get("total_ms")),
+            f"{kernels.get('kernels_per_step', 0):.0f}",
+        ] + [_ms(by_kind.get(kind)) for kind in kinds]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _ms(value) -> str:
@@ -176,7 +217,9 @@ def _first(cells: List[dict], key: str):
 def render(records: List[tuple], relative_to: str = ROOT) -> str:
     if not records:
         return "_No benchmark results yet: run `scripts/bench_matrix.py` and commit its JSON under `benchmarks/results/`._"
-    return "\n\n".join(render_record(p, d, relative_to) for p, d in records)
+    return "\n\n".join(
+        render_profile(p, d, relative_to) if "modes" in d else render_record(p, d, relative_to) for p, d in records
+    )
 
 
 def replace_block(text: str, block: str) -> str:
