@@ -17,6 +17,12 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton picks its interpreter when a kernel is decorated, i.e. when our kernel module is first
+    # imported, by whichever test gets there first: set it for the whole session, before any test.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 PTH_NAME = "hiera_autopatch.pth"

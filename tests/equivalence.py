@@ -60,6 +60,17 @@ def input_for(model, batch: int = 2, seed: int = 0) -> torch.Tensor:
     return torch.randn(batch, in_chans, *size, generator=generator)
 
 
+def tied_tokens(attn, batch=2, windows=4, seed=0):
+    """Attention input whose q-pool slots hold identical tokens: every pooled max is an exact tie.
+
+    Token n = t * windows + w with t = s * Tq + tq; the S slots s of each (tq, w) get one token.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    pooled = attn.window_size  # tokens per window after pooling
+    base = torch.randn(batch, pooled, windows, attn.dim, generator=generator)  # (B, Tq, nw, C)
+    return base.repeat(1, attn.q_stride, 1, 1).reshape(batch, -1, attn.dim)  # (B, S*Tq*nw, C)
+
+
 @dataclasses.dataclass
 class StepResult:
     outputs: List[torch.Tensor]

@@ -14,6 +14,7 @@ from equivalence import (
     low_precision_check,
     run_pair,
     run_step,
+    tied_tokens,
 )
 
 hiera = pytest.importorskip("hiera")
@@ -217,3 +218,29 @@ def test_state_dict_pickle_deepcopy_isinstance():
         torch.manual_seed(5)
         fair_loss = reference(x)[0]
     assert torch.allclose(outs[0], fair_loss, rtol=1e-5)
+
+
+def test_mae_step_traces_as_one_graph():
+    """With every MAE patch on, forward and backward trace with fullgraph=True (no nonzero, no
+    boolean indexing, no device reads) and give the eager patched result."""
+    torch._dynamo.reset()
+    model = fair_model("mae", "tiny", stages=(1, 1, 1, 1))
+    x = input_for(model)
+    eager = run_step(model, x, mae_call())
+    compiled_call = torch.compile(mae_call(), fullgraph=True, backend="aot_eager")
+    graphed = run_step(model, x, compiled_call)
+    assert_equivalent(eager, graphed, FP32_OUT, FP32_GRAD)
+    with hiera_autopatch.disabled():
+        torch._dynamo.reset()
+        with pytest.raises(Exception):  # FAIR's boolean indexing cannot be one graph: the check bites
+            torch.compile(mae_call(), fullgraph=True, backend="aot_eager")(model, x)
+    torch._dynamo.reset()
+
+
+def test_q_pool_max_ties_send_gradient_to_one_slot_like_fair():
+    """FAIR pools with max(dim).values: on ties the whole gradient goes to one slot."""
+    torch.manual_seed(0)
+    model = fair_model("cls", "tiny")
+    attn = next(b.attn for b in model.blocks if b.attn.q_stride > 1 and b.attn.use_mask_unit_attn)
+    unpatched, patched = run_pair(model, tied_tokens(attn), lambda m, x: attn(x))
+    assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)

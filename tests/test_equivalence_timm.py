@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hiera_autopatch
-from equivalence import assert_equivalent, low_precision_check, run_pair
+from equivalence import assert_equivalent, low_precision_check, run_pair, tied_tokens
 
 timm = pytest.importorskip("timm")
 timm_hiera = pytest.importorskip("timm.models.hiera")
@@ -98,19 +98,12 @@ def test_fused_attn_off_keeps_timm_math_path():
 
 
 def test_q_pool_amax_ties_split_gradient_like_timm():
-    """timm pools with amax: on tied values the gradient is split, and we keep that."""
+    """timm pools with amax: on tied values the gradient is split, and we keep that. The input
+    gradient shows it (max would send each tie's whole gradient to its first slot)."""
     torch.manual_seed(0)
     model = timm_model("hiera_tiny_224")
-    attn = next(b.attn for b in model.blocks if b.attn.q_stride > 1)
-    x = (torch.randn(2, attn.window_size * attn.q_stride * 16, attn.dim) * 2).round() / 2  # many ties
-    with torch.no_grad():
-        attn.qkv.weight.copy_((attn.qkv.weight * 4).round() / 4)
-        attn.qkv.bias.zero_()
-
-    def call(m, x):
-        return attn(x)
-
-    unpatched, patched = run_pair(model, x, call)
+    attn = next(b.attn for b in model.blocks if b.attn.q_stride > 1 and b.attn.use_mask_unit_attn)
+    unpatched, patched = run_pair(model, tied_tokens(attn), lambda m, x: attn(x))
     assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
 
 

@@ -37,6 +37,13 @@ gpu_only = pytest.mark.skipif(
     reason="needs CUDA and compiled (not interpreted) Triton",
 )
 
+def test_cpu_kernels_are_interpreted_without_a_gpu():
+    """Without a GPU the CPU tests below must run, not skip (conftest.py sets the interpreter)."""
+    if _HAS_CUDA or not wa.HAS_TRITON:
+        pytest.skip("a GPU is present, or triton is not installed")
+    assert _INTERPRETED
+
+
 # dtype -> (max normwise relative error, atol, rtol) for the elementwise check
 TOLERANCES = {
     torch.float32: (2e-5, 2e-5, 2e-5),
@@ -249,3 +256,26 @@ def test_gpu_every_element_written(name, nw, T, H, D, S):
     wa.window_attention_backward(torch.randn_like(out), qkv, out, lse, nw, H, S, dqkv=dqkv)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all() and torch.isfinite(dqkv).all()
+
+
+@cpu_only
+def test_cpu_mae_through_the_kernel_matches_fair():
+    """A whole (tiny) FAIR MAE step with HIERA_OPTIM_ATTENTION=triton, eager and under
+    torch.compile(fullgraph=True): the custom ops trace, and outputs and every gradient match FAIR."""
+    pytest.importorskip("hiera")
+    import hiera_autopatch
+    from equivalence import assert_equivalent, fair_model, input_for, run_pair, run_step
+
+    hiera_autopatch.enable(attention="triton")
+    try:
+        torch.manual_seed(0)
+        model = fair_model("mae", "tiny", stages=(1, 1, 1, 1))
+        x = input_for(model)
+        unpatched, patched = run_pair(model, x, lambda m, x: m(x))
+        assert_equivalent(unpatched, patched, 1e-5, 1e-4)
+        torch._dynamo.reset()
+        compiled_call = torch.compile(lambda m, x: m(x), fullgraph=True, backend="aot_eager")
+        assert_equivalent(unpatched, run_step(model, x, compiled_call), 1e-5, 1e-4)
+    finally:
+        hiera_autopatch.disable()
+        torch._dynamo.reset()
