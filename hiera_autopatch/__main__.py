@@ -83,12 +83,8 @@ def runner_command(argv: List[str]) -> int:
         elif arg == "--verbose":
             verbose = True
         elif arg == "--disable" or arg.startswith("--disable="):
-            if "=" in arg:
-                disable = arg.split("=", 1)[1]
-            elif i + 1 < len(argv):
-                i += 1
-                disable = argv[i]
-            else:
+            disable, i = _option_value(argv, i)
+            if disable is None:
                 return _usage_error("--disable needs a comma list of patch names")
         elif arg in ("-m", "-c") or (arg[:2] in ("-m", "-c") and len(arg) > 2):
             kind, value = arg[:2], arg[2:]
@@ -122,6 +118,16 @@ def _run(kind: str, target: str, args: List[str], off: bool, disable: Optional[s
     return _runner.run_script(target, args)
 
 
+def _option_value(argv: List[str], i: int):
+    """The value of the option at ``argv[i]`` (``--opt=value`` or ``--opt value``) and the index of
+    its last word; ``(None, i)`` when the value is missing."""
+    if "=" in argv[i]:
+        return argv[i].split("=", 1)[1], i
+    if i + 1 < len(argv):
+        return argv[i + 1], i + 1
+    return None, i
+
+
 def _usage_error(message: str) -> int:
     print(USAGE.split("\n\n")[0], file=sys.stderr)
     print(f"hiera_autopatch: error: {message}", file=sys.stderr)
@@ -146,12 +152,8 @@ def status_command(argv: List[str]) -> int:
         elif arg == "--no-import":
             do_import = False
         elif arg == "--import" or arg.startswith("--import="):
-            if "=" in arg:
-                value = arg.split("=", 1)[1]
-            elif i + 1 < len(argv):
-                i += 1
-                value = argv[i]
-            else:
+            value, i = _option_value(argv, i)
+            if value is None:
                 return _usage_error("--import needs a comma list of module names")
             from . import _config
 
@@ -197,7 +199,7 @@ def collect_status(do_import: bool, extra_imports: List[str]) -> dict:
         "python": sys.executable,
         "enabled": env_config.enabled,
         "enabled_by": env_config.source,
-        "env": {name: os.environ[name] for name in _ENV_NAMES if name in os.environ},
+        "env": {name: os.environ[name] for name in _env_names() if name in os.environ},
         "known_patches": list(_registry.PATCH_NAMES),
         "disabled_patches": sorted(env_config.disabled_patches),
         "forced_patches": sorted(env_config.forced_patches),
@@ -210,16 +212,10 @@ def collect_status(do_import: bool, extra_imports: List[str]) -> dict:
     return report
 
 
-_ENV_NAMES = (
-    "HIERA_OPTIM",
-    "HIERA_OPTIM_MODULES",
-    "HIERA_OPTIM_DISABLE",
-    "HIERA_OPTIM_FORCE",
-    "HIERA_OPTIM_VERBOSE",
-    "HIERA_OPTIM_GRAPHS",
-    "HIERA_OPTIM_ATTENTION",
-    "HIERA_OPTIM_RUNNER",
-)
+def _env_names() -> List[str]:
+    from . import _config
+
+    return [value for key, value in vars(_config).items() if key.startswith("ENV_")]
 
 
 def _installed(name: str) -> bool:
