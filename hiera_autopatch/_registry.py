@@ -93,7 +93,7 @@ def set_config(config: _config.Config) -> None:
 
 
 def on_target_import(module: types.ModuleType) -> None:
-    """Import-hook entry point (``hiera_autopatch._registry:on_target_import``). Never raises."""
+    """What the import hook (``_bootstrap._on_target_import``) calls for a target. Never raises."""
     try:
         if STATE.config.enabled:
             apply_to_module(module)
