@@ -33,6 +33,7 @@ PATCH_MODULES: Dict[str, str] = {
 
 PATCH_NAMES = (
     "fair.attention",
+    "fair.block",
     "fair.encoder",
     "fair.mae_encoder",
     "fair.mae_decoder",

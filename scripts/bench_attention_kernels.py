@@ -46,7 +46,7 @@ SHAPES = [
     ("stage1-cls", 49, 64, 1, 96, 1),
     ("stage3-global-cls", 1, 196, 4, 96, 1),
 ]
-VARIANTS = ("fair_5d", "sdpa_4d", "triton")
+VARIANTS = ("fair_5d", "sdpa_4d", "triton", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 COPY_TBPS = 4.3  # device-to-device copy measured on these H200s (KINDS.md): the bytes floor
 
 
@@ -78,6 +78,20 @@ def sdpa_4d(qkv, nw, H, S, pool="max"):
     v = v.reshape(B * nw, H, T, D)
     o = F.scaled_dot_product_attention(q, k, v)  # (B*nw, H, Tq, D)
     return o.view(B, nw, H, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq * nw, H * D)
+
+
+def sdpa_backend_variant(name):
+    """sdpa_4d with PyTorch's choice of fused kernel pinned to one backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+
+    def run(qkv, nw, H, S, pool="max"):
+        with sdpa_kernel([backend]):
+            return sdpa_4d(qkv, nw, H, S, pool)
+
+    return run
 
 
 def triton_variant(config):
@@ -232,6 +246,8 @@ def worker(args):
         del x32
 
         variants = {"fair_5d": fair_5d, "sdpa_4d": sdpa_4d}
+        for backend in ("flash", "efficient", "cudnn"):
+            variants[f"sdpa_{backend}"] = sdpa_backend_variant(backend)
         if "triton" in args.variants:
             if wa.supports(qkv, nw, H, S):
                 variants["triton"] = triton_variant(None)

@@ -83,14 +83,22 @@ def cpu_breakdown(fn, steps: int = 3):
             for e in rows]
 
 
-def kernel_breakdown(fn, steps: int = 3):
+def kernel_breakdown(fn, steps: int = 3, top: int = 15):
+    """GPU kernel time per step by kind and by name, and the idle time between kernels.
+
+    ``span_ms`` runs from the first kernel's start to the last one's end; ``gaps_ms`` is the GPU
+    idle time inside it, split into short gaps (< 10 us: launch latency between kernels, even in a
+    CUDA graph) and long ones (the GPU waiting on the host)."""
+    import os
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    by_kind, by_name, count = {}, {}, 0
+    by_kind, by_name, calls, count = {}, {}, {}, 0
     for event in prof.key_averages():
         device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         if device_us <= 0 or event.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
@@ -100,14 +108,38 @@ def kernel_breakdown(fn, steps: int = 3):
         ms = device_us / 1000 / steps
         by_kind[kind_of(event.key)] = by_kind.get(kind_of(event.key), 0) + ms
         by_name[event.key] = ms
+        calls[event.key] = event.count / steps
         count += event.count
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
-    return {
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    result = {
         "total_ms": sum(by_kind.values()),
         "kernels_per_step": count / steps,
         "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-        "top_kernels_ms": [{"name": n[:120], "ms": ms} for n, ms in top],
+        "top_kernels_ms": [{"name": n[:120], "ms": ms, "calls": calls[n]} for n, ms in ranked],
     }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            trace = json.load(fh)
+    kernels = sorted(
+        (e["ts"], e["ts"] + e["dur"]) for e in trace.get("traceEvents", [])
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    )
+    if kernels:
+        short = long = 0.0
+        end = kernels[0][1]
+        for start, stop in kernels[1:]:
+            if start > end:
+                gap = start - end
+                if gap < 10:
+                    short += gap
+                else:
+                    long += gap
+            end = max(end, stop)
+        result["span_ms"] = (kernels[-1][1] - kernels[0][0]) / 1000 / steps
+        result["gaps_ms"] = {"short": short / 1000 / steps, "long": long / 1000 / steps}
+    return result
 
 
 def main(argv=None) -> int:
@@ -118,10 +150,12 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="fair,patched,graphs,compile")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--cpu-profile", default="", help="comma list of modes to profile on the host too")
+    parser.add_argument("--top", type=int, default=15, help="kernels listed by name per mode")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
     import hiera_autopatch
+    from hiera_autopatch.ops import attention as attention_ops
     from hiera_autopatch.ops import step_graph
 
     model, x = build(args)
@@ -133,22 +167,35 @@ def main(argv=None) -> int:
         "modes": {},
     }
     def configure(mode):
-        """Patch state for one mode; returns the callable model. "<config>[-sdpa]": -sdpa keeps
-        PyTorch SDPA for attention instead of our Triton kernel."""
+        """Patch state for one mode; returns the callable model. "<config>[-attention][~patch,...]":
+        "-sdpa" keeps PyTorch SDPA for attention instead of our Triton kernel, "~fair.block" leaves
+        that patch off (an ablation), "@flash" pins SDPA's kernel where SDPA runs."""
+        mode, _, sdpa = mode.partition("@")
+        mode, _, off = mode.partition("~")
         config, _, attention = mode.partition("-")
+        attention_ops.sdpa_backend = sdpa or None
         hiera_autopatch.disable()
         step_graph.enabled = False
         if config != "fair":
-            hiera_autopatch.enable(graphs=(config == "graphs"), attention=attention or "auto")
+            hiera_autopatch.enable(graphs=(config == "graphs"), attention=attention or "auto",
+                                   disabled_patches={name for name in off.split(",") if name})
         if config == "compile":
             return compiled.setdefault(mode, torch.compile(model))
         return model
 
     compiled = {}
     modes = args.modes.split(",")
-    # Every mode is timed before any profiler runs: profiling may leave host-side overhead behind
-    # that would inflate launch-bound (eager) timings taken after it. The cost: switching a mode
-    # on again builds new replacement functions, so graphs/compile modes compile twice.
+
+    def profile(mode, runner):
+        step(runner, x)
+        results["modes"][mode]["kernels"] = kernel_breakdown(lambda: step(runner, x), top=args.top)
+        if mode in args.cpu_profile.split(","):
+            results["modes"][mode]["host_ops"] = cpu_breakdown(lambda: step(runner, x))
+
+    # Launch-bound (eager) modes are timed before any profiler runs: profiling may leave host-side
+    # overhead behind that would inflate them. Compiled/graphed modes are profiled right after
+    # their timing, so they compile once.
+    deferred = []
     for mode in modes:
         runner = configure(mode)
         torch.cuda.reset_peak_memory_stats()
@@ -168,12 +215,14 @@ def main(argv=None) -> int:
         }
         print(f"{mode:10s} {timing['median']:8.2f} ms/step  peak {results['modes'][mode]['peak_gib']:.1f} GiB"
               f"  warm-up {warmup_s:.1f} s", file=sys.stderr, flush=True)
-    for mode in modes if not args.no_profile else ():
-        runner = configure(mode)
-        step(runner, x)
-        results["modes"][mode]["kernels"] = kernel_breakdown(lambda: step(runner, x))
-        if mode in args.cpu_profile.split(","):
-            results["modes"][mode]["host_ops"] = cpu_breakdown(lambda: step(runner, x))
+        if args.no_profile:
+            continue
+        if mode.startswith(("graphs", "compile")):
+            profile(mode, runner)
+        else:
+            deferred.append(mode)
+    for mode in deferred:
+        profile(mode, configure(mode))
     fair_ms = results["modes"].get("fair", {}).get("ms_per_step", {}).get("median")
     if fair_ms:
         for entry in results["modes"].values():

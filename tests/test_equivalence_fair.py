@@ -42,7 +42,7 @@ def test_all_fair_patches_applied():
     status = hiera_autopatch.status()["targets"]
     applied = status["hiera.hiera"]["applied"] + status["hiera.hiera_mae"]["applied"]
     assert sorted(applied) == sorted(
-        ["fair.attention", "fair.encoder", "fair.mae_encoder", "fair.mae_decoder", "fair.mae_loss", "fair.mae_forward"]
+        ["fair.attention", "fair.block", "fair.encoder", "fair.mae_encoder", "fair.mae_decoder", "fair.mae_loss", "fair.mae_forward"]
     )
     assert not status["hiera.hiera"]["skipped"] and not status["hiera.hiera_mae"]["skipped"]
 

@@ -57,7 +57,7 @@ def test_unedited_in_tree_copy_is_fully_patched(in_tree_copy):
     mae = importlib.import_module("models.hiera_mae")
     targets = hiera_autopatch.status()["targets"]
     assert targets["models.hiera"]["version"] == "in-tree copy"
-    assert sorted(targets["models.hiera"]["applied"]) == ["fair.attention", "fair.encoder"]
+    assert sorted(targets["models.hiera"]["applied"]) == ["fair.attention", "fair.block", "fair.encoder"]
     assert len(targets["models.hiera_mae"]["applied"]) == 4
     torch.manual_seed(0)
     model = tiny_mae(mae)

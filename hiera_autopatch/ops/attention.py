@@ -54,8 +54,23 @@ def pool_q(q: torch.Tensor, q_stride: int, pool: str) -> torch.Tensor:
     return q.max(dim=-3).values
 
 
+sdpa_backend = None
+"""None: PyTorch picks SDPA's kernel. ``flash``, ``efficient`` or ``cudnn``: pin it (experiments)."""
+
+
+def _pinned_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "cudnn": SDPBackend.CUDNN_ATTENTION}[sdpa_backend]
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
 def sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` on (batch, heads, tokens, head_dim), split past the batch limit."""
+    if sdpa_backend is not None and q.is_cuda and q.shape[0] <= MAX_FUSED_BATCH:
+        return _pinned_sdpa(q, k, v)
     if q.shape[0] <= MAX_FUSED_BATCH:
         return F.scaled_dot_product_attention(q, k, v)
     outs = [

@@ -13,13 +13,16 @@ from typing import Callable, Optional
 
 import torch
 
-from ..ops import attention, loss, masking, step_graph
+from ..ops import attention, loss, masking, mlp, step_graph
 from . import _base
 from ._base import Patch
 
 # Fingerprints (see _base.fingerprint) of FAIR's methods in hiera-transformer 0.1.4, which match
 # facebookresearch/hiera main as vendored into research repos.
 MASK_UNIT_ATTENTION_FORWARD = frozenset({"1858b2ecf667cca5"})
+HIERA_BLOCK_FORWARD = frozenset({"622e207bf14d51e4"})
+TIMM_MLP_FORWARD = frozenset({"f2fe57510e1eef51"})  # timm's Mlp, which FAIR's blocks use
+DO_POOL = frozenset({"34e705fa5b714105"})
 HIERA_FORWARD = frozenset({"5b85aa9e5f0e0d8a"})
 GET_RANDOM_MASK = frozenset({"e965111f25ffeec2"})
 MAE_FORWARD_ENCODER = frozenset({"9b675f3cdba2366e"})
@@ -44,6 +47,36 @@ def make_attention_forward(original: Callable, cls: type) -> Callable:
         return self.proj(out)
 
     return mask_unit_attention_forward
+
+
+# --- block -----------------------------------------------------------------------------------
+
+
+def make_block_forward(original: Callable, cls: type) -> Callable:
+    mlp_forwards = {}  # Mlp class -> is its forward timm's
+
+    def timm_mlp(module) -> bool:
+        kind = type(module)
+        if kind not in mlp_forwards:
+            mlp_forwards[kind] = _base.fingerprint(getattr(kind, "forward", None)) in TIMM_MLP_FORWARD
+        return mlp_forwards[kind] and mlp.plain(module)
+
+    def hiera_block_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """FAIR's HieraBlock.forward; the MLP recomputes GELU in backward instead of saving it."""
+        x_norm = self.norm1(x)
+        if self.dim != self.dim_out:
+            x = do_pool(self.proj(x_norm), stride=self.attn.q_stride)
+        x = x + self.drop_path(self.attn(x_norm))
+        x_norm = self.norm2(x)
+        x = x + self.drop_path(mlp.gelu_mlp(self.mlp, x_norm) if timm_mlp(self.mlp) else self.mlp(x_norm))
+        return x
+
+    do_pool = _module_of(cls).do_pool  # FAIR's (checked)
+    return hiera_block_forward
+
+
+def check_do_pool(cls: type, module) -> Optional[str]:
+    return _base.function_matches(module, "do_pool", DO_POOL)
 
 
 # --- encoder ---------------------------------------------------------------------------------
@@ -260,6 +293,15 @@ PATCHES = (
         make_attention_forward,
         MASK_UNIT_ATTENTION_FORWARD,
         summary="4-D q/k/v so SDPA runs a fused kernel",
+    ),
+    Patch(
+        "fair.block",
+        "HieraBlock",
+        "forward",
+        make_block_forward,
+        HIERA_BLOCK_FORWARD,
+        checks=(check_do_pool,),
+        summary="MLP saves 1 hidden tensor less for backward (GELU recomputed)",
     ),
     Patch(
         "fair.encoder",

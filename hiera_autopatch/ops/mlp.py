@@ -1,0 +1,100 @@
+"""The block MLP ``fc2(gelu(fc1(x)))`` saving one hidden-size tensor less for backward.
+
+Autograd keeps three tensors for timm's ``Mlp``: fc1's input, fc1's output (for GELU's backward)
+and GELU's output (for fc2's weight grad). The last two have the hidden size (4x the width), so
+they are most of a Hiera block's saved activations. ``GeluMlp`` keeps only fc1's input and output
+and recomputes GELU in backward: one elementwise kernel for ~1/4 less activation memory. Every
+product is the one autograd computes, on the same tensors, so the gradients are the same.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except TypeError:  # torch < 2.4: no device_type argument
+        if device_type == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+    return None
+
+
+def _no_dropout(module: nn.Module) -> bool:
+    return type(module) is nn.Identity or (type(module) is nn.Dropout and (module.p == 0 or not module.training))
+
+
+def _no_hooks(*modules: nn.Module) -> bool:
+    from torch.nn.modules import module as module_globals
+
+    if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
+        return False
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def plain(mlp: nn.Module) -> bool:
+    """A timm-style Mlp (the caller checked its forward) that computes exactly
+    ``fc2(gelu(fc1(x)))``: plain Linears, exact GELU, no dropout, no norm, no hooks."""
+    fc1, act, fc2 = mlp.fc1, mlp.act, mlp.fc2
+    return (
+        type(fc1) is nn.Linear
+        and type(fc2) is nn.Linear
+        and type(act) is nn.GELU
+        and act.approximate == "none"
+        and type(mlp.norm) is nn.Identity
+        and _no_dropout(mlp.drop1)
+        and _no_dropout(mlp.drop2)
+        and _no_hooks(mlp, fc1, act, fc2, mlp.norm, mlp.drop1, mlp.drop2)
+    )
+
+
+class GeluMlp(torch.autograd.Function):
+    """``fc2(gelu(fc1(x)))`` that saves x and fc1's output, and recomputes GELU in backward."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2):
+        hidden = F.linear(x, w1, b1)  # (..., Hid)
+        out = F.linear(F.gelu(hidden), w2, b2)  # (..., C)
+        ctx.save_for_backward(x, hidden, w1, w2)
+        ctx.has_bias = (b1 is not None, b2 is not None)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, hidden, w1, w2 = ctx.saved_tensors
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad
+        with torch.autocast(d_out.device.type, enabled=False):
+            d_out2 = d_out.reshape(-1, d_out.shape[-1])  # (M, C)
+            hidden2 = hidden.reshape(-1, hidden.shape[-1])  # (M, Hid)
+            d_x = d_w1 = d_b1 = d_w2 = d_b2 = None
+            if need_w2:
+                d_w2 = d_out2.t().mm(F.gelu(hidden2))  # (C, Hid), GELU recomputed
+            if need_b2 and ctx.has_bias[1]:
+                d_b2 = d_out2.sum(0)
+            d_hidden = torch.ops.aten.gelu_backward(d_out.matmul(w2), hidden)  # (..., Hid)
+            d_hidden2 = d_hidden.reshape(-1, d_hidden.shape[-1])
+            if need_w1:
+                d_w1 = d_hidden2.t().mm(x.reshape(-1, x.shape[-1]))  # (Hid, C_in)
+            if need_b1 and ctx.has_bias[0]:
+                d_b1 = d_hidden2.sum(0)
+            if need_x:
+                d_x = d_hidden.matmul(w1)  # (..., C_in)
+        return d_x, d_w1, d_b1, d_w2, d_b2
+
+
+def gelu_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``mlp(x)`` through ``GeluMlp``, for an Mlp that ``plain`` accepted."""
+    w1, b1, w2, b2 = mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias
+    cast_to = _autocast_dtype(x.device.type)
+    if cast_to is None:
+        return GeluMlp.apply(x, w1, b1, w2, b2)
+    # autocast runs Linear in cast_to: cast as it would (differentiably), then run without it
+    cast = [t if t is None else t.to(cast_to) for t in (x, w1, b1, w2, b2)]
+    with torch.autocast(x.device.type, enabled=False):
+        return GeluMlp.apply(*cast)

@@ -1,0 +1,122 @@
+"""ops/mlp.py: GeluMlp against timm's Mlp (outputs, input grad, every weight grad), what it saves
+for backward, and when the block patch must keep timm's module call."""
+
+import pytest
+import torch
+from timm.layers import Mlp
+
+from hiera_autopatch.ops import mlp as mlp_ops
+
+
+def run(fn, module, x, upstream):
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    out = fn(x)
+    out.backward(upstream)
+    grads = {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad, grads
+
+
+def assert_same(a, b, atol, rtol):
+    (out_a, dx_a, g_a), (out_b, dx_b, g_b) = a, b
+    torch.testing.assert_close(out_b, out_a, atol=atol, rtol=rtol)
+    torch.testing.assert_close(dx_b, dx_a, atol=atol, rtol=rtol)
+    assert g_a.keys() == g_b.keys() and len(g_a) == 4
+    for name in g_a:
+        torch.testing.assert_close(g_b[name], g_a[name], atol=atol, rtol=rtol, msg=name)
+
+
+@pytest.mark.parametrize(
+    "dtype, atol, rtol", [(torch.float32, 1e-5, 1e-5), (torch.float64, 1e-12, 1e-12), (torch.bfloat16, 2e-2, 2e-2)]
+)
+@pytest.mark.parametrize("shape", [(2, 7, 12), (5, 12)])
+def test_gelu_mlp_matches_timm_mlp(dtype, atol, rtol, shape):
+    torch.manual_seed(0)
+    module = Mlp(12, 48).to(dtype)
+    x = torch.randn(*shape, dtype=dtype)
+    upstream = torch.randn(*shape, dtype=dtype)
+    assert mlp_ops.plain(module)
+    reference = run(module, module, x, upstream)
+    fused = run(lambda t: mlp_ops.gelu_mlp(module, t), module, x, upstream)
+    assert_same(reference, fused, atol, rtol)
+
+
+def test_gelu_mlp_under_autocast_matches_timm_mlp():
+    torch.manual_seed(0)
+    module = Mlp(16, 64)  # fp32 parameters, bf16 autocast: the AMP recipe
+    x, upstream = torch.randn(3, 5, 16), torch.randn(3, 5, 16)
+
+    def under_autocast(fn):
+        def call(t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(t)
+
+        return call
+
+    reference = run(under_autocast(module), module, x, upstream.bfloat16())
+    fused = run(under_autocast(lambda t: mlp_ops.gelu_mlp(module, t)), module, x, upstream.bfloat16())
+    assert fused[0].dtype == reference[0].dtype == torch.bfloat16
+    assert fused[1].dtype == torch.float32 and all(g.dtype == torch.float32 for g in fused[2].values())
+    assert_same(reference, fused, 1e-6, 1e-6)  # same casts, same bf16 products
+
+
+def test_gelu_mlp_frozen_weights_and_no_bias():
+    torch.manual_seed(0)
+    module = Mlp(8, 32, bias=False)
+    module.fc1.weight.requires_grad_(False)
+    x = torch.randn(4, 8, requires_grad=True)
+    out = mlp_ops.gelu_mlp(module, x)
+    out.square().sum().backward()
+    ref_x = x.detach().clone().requires_grad_(True)
+    module.fc2.weight.grad, grad_fc2 = None, module.fc2.weight.grad
+    module(ref_x).square().sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    torch.testing.assert_close(grad_fc2, module.fc2.weight.grad)
+    assert module.fc1.weight.grad is None
+
+
+def saved_bytes(fn, x):
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return total
+
+
+def test_gelu_mlp_saves_one_hidden_tensor_less():
+    module = Mlp(16, 64)
+    x = torch.randn(10, 16, requires_grad=True)
+    hidden_bytes = 10 * 64 * 4
+    weight_bytes = 2 * 16 * 64 * 4  # both Functions save the weights (no copy: same storage)
+    activations_timm = saved_bytes(module, x) - weight_bytes
+    activations_ours = saved_bytes(lambda t: mlp_ops.gelu_mlp(module, t), x) - weight_bytes
+    assert activations_timm - activations_ours == hidden_bytes
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m.fc1.register_forward_hook(lambda *a: None),
+        lambda m: m.register_forward_pre_hook(lambda *a: None),
+        lambda m: setattr(m, "act", torch.nn.GELU(approximate="tanh")),
+        lambda m: setattr(m, "act", torch.nn.ReLU()),
+        lambda m: setattr(m, "drop1", torch.nn.Dropout(0.1)),
+        lambda m: setattr(m, "norm", torch.nn.LayerNorm(32)),
+    ],
+)
+def test_not_plain_when_the_module_computes_something_else(change):
+    module = Mlp(8, 32)
+    assert mlp_ops.plain(module)
+    change(module)
+    assert not mlp_ops.plain(module)
+
+
+def test_dropout_in_eval_is_plain():
+    module = Mlp(8, 32, drop=0.1)
+    assert not mlp_ops.plain(module.train())
+    assert mlp_ops.plain(module.eval())
