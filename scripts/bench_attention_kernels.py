@@ -125,13 +125,25 @@ def _err(out, ref, grad, gref):
     }
 
 
-def _candidates(T, S, D, nw):
+def _candidates(T, S, D, nw, sweep=False):
     """A few configs around the default: warps flipped, twice the windows per program, half the
-    query rows. Default first."""
+    query rows. Default first. ``sweep``: every key block x query block x warps combination
+    (single windows only)."""
     from hiera_autopatch.ops.triton.window_attention import default_config
 
     base = default_config(T, S, D, nw)
     out = [base]
+    if sweep:
+        Tq = T // S
+        for bn in (64, 128, 256):
+            if bn >= 2 * max(16, 1 << (T - 1).bit_length()):
+                continue
+            for bm in (16, 32, 64):
+                if bm >= 2 * max(16, 1 << (Tq - 1).bit_length()):
+                    continue
+                for warps, warps_bwd in ((4, 4), (4, 8), (8, 4), (8, 8)):
+                    out.append(dict(base, G=1, BLOCK_N=bn, BLOCK_M=bm, num_warps=warps,
+                                    num_warps_bwd=warps_bwd))
     flip = dict(base, num_warps=12 - base["num_warps"], num_warps_bwd=12 - base["num_warps_bwd"])
     out.append(flip)
     if base["G"] * T * 2 <= 128 and base["G"] * 2 <= nw:
@@ -280,7 +292,7 @@ def worker(args):
                 tuned = None
                 if vname == "triton" and not args.no_autotune and time.time() < tune_deadline:
                     trials = []
-                    for cfg in _candidates(T, S, D, nw):
+                    for cfg in _candidates(T, S, D, nw, sweep=args.sweep):
                         if time.time() > tune_deadline:
                             break
                         try:
@@ -358,6 +370,8 @@ def parent(args):
                "--deadline", str(deadline), "--tune-deadline", str(tune_deadline)]
         if args.no_autotune:
             cmd.append("--no-autotune")
+        if args.sweep:
+            cmd.append("--sweep")
         if not args.graph:
             cmd.append("--no-graph")
         try:
@@ -479,6 +493,7 @@ def main():
     ap.add_argument("--tune-budget-s", type=float, default=45.0,
                     help="autotune only until this many seconds into the run")
     ap.add_argument("--no-autotune", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="autotune over every block/warps combination")
     ap.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
                     help="time CUDA-graph replays (GPU time, no launch overhead); --no-graph: do_bench")
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")

@@ -169,7 +169,9 @@ def main(argv=None) -> int:
     def configure(mode):
         """Patch state for one mode; returns the callable model. "<config>[-attention][~patch,...]":
         "-sdpa" keeps PyTorch SDPA for attention instead of our Triton kernel, "~fair.block" leaves
-        that patch off (an ablation), "@flash" pins SDPA's kernel where SDPA runs."""
+        that patch off (an ablation), "@flash" pins SDPA's kernel where SDPA runs, "#2" names a
+        repeat (interleaved A/B)."""
+        mode = mode.partition("#")[0]  # "#2": a repeat of the same mode, timed again
         mode, _, sdpa = mode.partition("@")
         mode, _, off = mode.partition("~")
         config, _, attention = mode.partition("-")
