@@ -106,6 +106,7 @@ CPU_CASES = [
     pytest.param(1, 1, 32, 1, 24, 4, {"BLOCK_M": 16, "BLOCK_N": 16}, id="global-T32-S4-multiblock"),
     pytest.param(1, 3, 16, 1, 24, 4, {"G": 2, "BLOCK_M": 16, "BLOCK_N": 16},
                  id="G2-groups-span-blocks"),
+    pytest.param(2, 2, 32, 2, 24, 2, {"BLOCK_M": 16, "BLOCK_N": 16}, id="B2-H2-nw2-multiblock"),
 ]
 
 
