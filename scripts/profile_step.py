@@ -149,6 +149,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--modes", default="fair,patched,graphs,compile")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--profile-only", default="", help="comma list: profile only these modes")
     parser.add_argument("--cpu-profile", default="", help="comma list of modes to profile on the host too")
     parser.add_argument("--top", type=int, default=15, help="kernels listed by name per mode")
     parser.add_argument("--json")
@@ -217,7 +218,7 @@ def main(argv=None) -> int:
         }
         print(f"{mode:10s} {timing['median']:8.2f} ms/step  peak {results['modes'][mode]['peak_gib']:.1f} GiB"
               f"  warm-up {warmup_s:.1f} s", file=sys.stderr, flush=True)
-        if args.no_profile:
+        if args.no_profile or (args.profile_only and mode not in args.profile_only.split(",")):
             continue
         if mode.startswith(("graphs", "compile")):
             profile(mode, runner)
