@@ -163,6 +163,7 @@ def main(argv=None) -> int:
     results = {
         "command": " ".join(sys.argv),
         "model": args.model, "batch": args.batch, "dtype": "bf16 params", "step": "forward+backward",
+        "steps": args.steps,
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
         "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
         "modes": {},

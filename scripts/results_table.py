@@ -51,31 +51,50 @@ PROFILE_MODES = {
 }
 
 
+def profile_label(mode: str) -> str:
+    """"graphs-triton~fair.block@flash#2" -> readable words (scripts/profile_step.py's mode syntax)."""
+    mode, _, repeat = mode.partition("#")
+    mode, _, pinned = mode.partition("@")
+    mode, _, off = mode.partition("~")
+    label = PROFILE_MODES.get(mode)
+    if label is None:
+        config, _, attention = mode.partition("-")
+        label = PROFILE_MODES.get(config, config) + (f", {attention} attention everywhere" if attention else "")
+    if off:
+        label += f", without {off}"
+    if pinned:
+        label += f", SDPA pinned to {pinned}"
+    if repeat:
+        label += f" (repeat {repeat})"
+    return label
+
+
 def render_profile(path: str, data: dict, relative_to: str = ROOT) -> str:
     """A scripts/profile_step.py file: ms/step and GPU kernel time by kind, per configuration."""
     source = os.path.relpath(path, relative_to)
     kinds = ["gemm", "attention", "layer_norm", "triton (fused)", "copy/layout", "elementwise", "reduce"]
     lines = [
         f"**{data.get('gpu')}, torch {data.get('torch')}** — `{data.get('model')}`, batch {data.get('batch')}, "
-        f"{data.get('dtype')}, {data.get('step')}; median of 20 steps. GPU kernel time per step by kind from "
-        f"torch.profiler. Source: [`{source}`]({source}), made by `{data.get('command')}`.",
+        f"{data.get('dtype')}, {data.get('step')}; median of {data.get('steps', 20)} steps. GPU kernel time per "
+        f"step by kind from torch.profiler (GPU span: first kernel start to last kernel end, per step). Source: [`{source}`]({source}), made by `{data.get('command')}`.",
         "",
         *([f"_{data['note']}_", ""] if data.get("note") else []),
-        "| configuration | ms/step | vs FAIR eager | peak GiB | warm-up s | GPU kernel ms | kernels/step | "
+        "| configuration | ms/step | vs FAIR eager | peak GiB | warm-up s | GPU kernel ms | GPU span ms | kernels/step | "
         + " | ".join(kinds) + " |",
-        "|---|" + "---:|" * (6 + len(kinds)),
+        "|---|" + "---:|" * (7 + len(kinds)),
     ]
     for mode, entry in data["modes"].items():
         kernels = entry.get("kernels", {})
         by_kind = kernels.get("by_kind_ms", {})
         cells = [
-            PROFILE_MODES.get(mode, mode),
+            profile_label(mode),
             _ms(entry["ms_per_step"]["median"]),
             f"**{entry['x_vs_fair_eager']:.2f}x**" if entry.get("x_vs_fair_eager") else "–",
             f"{entry['peak_gib']:.1f}",
             f"{entry['warmup_s']:.0f}",
             _ms(kernels.get("total_ms")),
-            f"{kernels.get('kernels_per_step', 0):.0f}",
+            _ms(kernels.get("span_ms")),
+            f"{kernels['kernels_per_step']:.0f}" if kernels else "–",
         ] + [_ms(by_kind.get(kind)) for kind in kinds]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -20,10 +20,20 @@ backend = "auto"
 
 TRITON_MAX_KEYS = 128
 """``auto`` sends a call to our Triton kernel when each window's keys fit one 128-key block: all of
-Hiera's mask-unit attention and its short global stages. Longer sequences (the MAE decoder's 196
-tokens) go to SDPA, which was faster there on the H200 (benchmarks/results/h200_attention_kernels.json).
+Hiera's mask-unit attention and its short global stages; with head_dim <= 64 up to
+``TRITON_MAX_KEYS_SMALL_HEADS`` keys (the MAE decoder: 196 tokens, head_dim 32). Longer
+sequences with wide heads (classification's 196-token stage 3, head_dim 96) go to SDPA, which was
+faster there on the H200 (benchmarks/results/h200_attention_kernels.json).
 Only inside torch.compile / our CUDA graphs: in plain eager the step is bound by kernel launches,
 and a custom op's launch costs more host time than SDPA's (measured: eager step 93 vs 82 ms)."""
+
+TRITON_MAX_KEYS_SMALL_HEADS = 256
+"""The decoder's 196-token attention (head_dim 32): Triton 0.40 ms fwd+bwd vs cuDNN 0.86 ms with
+its layout copies (benchmarks/results/h200_attention_sweep.json)."""
+
+
+def triton_max_keys(head_dim: int) -> int:
+    return TRITON_MAX_KEYS_SMALL_HEADS if head_dim <= 64 else TRITON_MAX_KEYS
 
 
 def use_triton(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int) -> bool:
@@ -34,10 +44,11 @@ def use_triton(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int) -
         return False
     if backend == "triton":
         return True
+    head_dim = qkv.shape[2] // (3 * heads)
     return (
         qkv.is_cuda
         and torch.compiler.is_compiling()
-        and qkv.shape[1] // num_windows <= TRITON_MAX_KEYS
+        and qkv.shape[1] // num_windows <= triton_max_keys(head_dim)
     )
 
 
