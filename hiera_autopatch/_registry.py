@@ -168,6 +168,11 @@ def revert_all() -> int:
             setattr(entry.cls, entry.attr, entry.original)
         for report in STATE.reports.values():
             report.applied.clear()
+        if "hiera_autopatch.ops.attention" in sys.modules:  # back to the defaults for a later enable()
+            from .ops import attention, step_graph
+
+            step_graph.enabled = False
+            attention.backend = "auto"
         return count
 
 
