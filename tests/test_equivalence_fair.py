@@ -222,13 +222,18 @@ def test_state_dict_pickle_deepcopy_isinstance():
 
 def test_mae_step_traces_as_one_graph():
     """With every MAE patch on, forward and backward trace with fullgraph=True (no nonzero, no
-    boolean indexing, no device reads) and give the eager patched result."""
+    boolean indexing, no device reads, no source read at call time) and give the eager patched
+    result. Compiled first, with the fingerprint cache empty: as in a fresh process whose first
+    step is compiled (HIERA_OPTIM_GRAPHS=1)."""
+    from hiera_autopatch.patches import _base
+
     torch._dynamo.reset()
     model = fair_model("mae", "tiny", stages=(1, 1, 1, 1))
     x = input_for(model)
-    eager = run_step(model, x, mae_call())
+    _base._fingerprint_cache.clear()
     compiled_call = torch.compile(mae_call(), fullgraph=True, backend="aot_eager")
     graphed = run_step(model, x, compiled_call)
+    eager = run_step(model, x, mae_call())
     assert_equivalent(eager, graphed, FP32_OUT, FP32_GRAD)
     with hiera_autopatch.disabled():
         torch._dynamo.reset()

@@ -120,3 +120,31 @@ def test_dropout_in_eval_is_plain():
     module = Mlp(8, 32, drop=0.1)
     assert not mlp_ops.plain(module.train())
     assert mlp_ops.plain(module.eval())
+
+
+def test_fair_block_patch_saves_less_and_matches():
+    """fair.block on FAIR's HieraBlock: one hidden-size tensor less saved per block, same results."""
+    hiera = pytest.importorskip("hiera")
+    import hiera_autopatch
+
+    torch.manual_seed(0)
+    block = hiera.hiera.HieraBlock(dim=16, dim_out=16, heads=2)
+    x, upstream = torch.randn(2, 9, 16), torch.randn(2, 9, 16)
+    with hiera_autopatch.disabled():
+        fair_bytes = saved_bytes(block, x.requires_grad_(True))
+        fair = run(block, block, x, upstream)
+    hiera_autopatch.enable(disabled_patches={"fair.attention"})  # only the block differs
+    try:
+        assert hiera.hiera.HieraBlock.forward.__hiera_autopatch__ == "fair.block"
+        ours_bytes = saved_bytes(block, x)
+        ours = run(block, block, x, upstream)
+    finally:
+        hiera_autopatch.disable()
+    assert fair_bytes - ours_bytes == 2 * 9 * 64 * 4  # (B, N, 4*dim) fp32
+    out_fair, dx_fair, g_fair = fair
+    out_ours, dx_ours, g_ours = ours
+    torch.testing.assert_close(out_ours, out_fair, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(dx_ours, dx_fair, atol=1e-6, rtol=1e-6)
+    assert g_fair.keys() == g_ours.keys()
+    for name in g_fair:
+        torch.testing.assert_close(g_ours[name], g_fair[name], atol=1e-6, rtol=1e-6, msg=name)

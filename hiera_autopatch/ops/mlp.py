@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.modules import module as module_globals
 
 
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
@@ -31,8 +32,6 @@ def _no_dropout(module: nn.Module) -> bool:
 
 
 def _no_hooks(*modules: nn.Module) -> bool:
-    from torch.nn.modules import module as module_globals
-
     if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
         return False
     return not any(m._forward_hooks or m._forward_pre_hooks for m in modules)

@@ -53,13 +53,12 @@ def make_attention_forward(original: Callable, cls: type) -> Callable:
 
 
 def make_block_forward(original: Callable, cls: type) -> Callable:
-    mlp_forwards = {}  # Mlp class -> is its forward timm's
-
-    def timm_mlp(module) -> bool:
-        kind = type(module)
-        if kind not in mlp_forwards:
-            mlp_forwards[kind] = _base.fingerprint(getattr(kind, "forward", None)) in TIMM_MLP_FORWARD
-        return mlp_forwards[kind] and mlp.plain(module)
+    do_pool = _module_of(cls).do_pool  # FAIR's (checked)
+    # The Mlp class FAIR's module uses (timm's), recognised now: a call only compares classes, which
+    # torch.compile traces without reading any source.
+    timm_mlp = getattr(_module_of(cls), "Mlp", None)
+    if _base.fingerprint(getattr(timm_mlp, "forward", None)) not in TIMM_MLP_FORWARD:
+        timm_mlp = None
 
     def hiera_block_forward(self, x: torch.Tensor) -> torch.Tensor:
         """FAIR's HieraBlock.forward; the MLP recomputes GELU in backward instead of saving it."""
@@ -68,10 +67,10 @@ def make_block_forward(original: Callable, cls: type) -> Callable:
             x = do_pool(self.proj(x_norm), stride=self.attn.q_stride)
         x = x + self.drop_path(self.attn(x_norm))
         x_norm = self.norm2(x)
-        x = x + self.drop_path(mlp.gelu_mlp(self.mlp, x_norm) if timm_mlp(self.mlp) else self.mlp(x_norm))
-        return x
+        if type(self.mlp) is timm_mlp and mlp.plain(self.mlp):
+            return x + self.drop_path(mlp.gelu_mlp(self.mlp, x_norm))
+        return x + self.drop_path(self.mlp(x_norm))
 
-    do_pool = _module_of(cls).do_pool  # FAIR's (checked)
     return hiera_block_forward
 
 
