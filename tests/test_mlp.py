@@ -98,6 +98,11 @@ def test_gelu_mlp_saves_one_hidden_tensor_less():
     assert activations_timm - activations_ours == hidden_bytes
 
 
+def test_recompute_only_under_compile():
+    assert not mlp_ops.wanted()
+    assert torch.compile(lambda t: t + int(mlp_ops.wanted()), fullgraph=True, backend="eager")(torch.zeros(1)).item() == 1
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -122,11 +127,13 @@ def test_dropout_in_eval_is_plain():
     assert mlp_ops.plain(module.eval())
 
 
-def test_fair_block_patch_saves_less_and_matches():
-    """fair.block on FAIR's HieraBlock: one hidden-size tensor less saved per block, same results."""
+def test_fair_block_patch_saves_less_and_matches(monkeypatch):
+    """fair.block on FAIR's HieraBlock, where it recomputes (under torch.compile; forced here so
+    saved tensors can be counted eagerly): one hidden-size tensor less saved, same results."""
     hiera = pytest.importorskip("hiera")
     import hiera_autopatch
 
+    monkeypatch.setattr(mlp_ops, "wanted", lambda: True)
     torch.manual_seed(0)
     block = hiera.hiera.HieraBlock(dim=16, dim_out=16, heads=2)
     x, upstream = torch.randn(2, 9, 16), torch.randn(2, 9, 16)

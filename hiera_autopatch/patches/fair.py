@@ -61,13 +61,14 @@ def make_block_forward(original: Callable, cls: type) -> Callable:
         timm_mlp = None
 
     def hiera_block_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """FAIR's HieraBlock.forward; the MLP recomputes GELU in backward instead of saving it."""
+        """FAIR's HieraBlock.forward; under torch.compile the MLP recomputes GELU in backward
+        instead of saving it."""
         x_norm = self.norm1(x)
         if self.dim != self.dim_out:
             x = do_pool(self.proj(x_norm), stride=self.attn.q_stride)
         x = x + self.drop_path(self.attn(x_norm))
         x_norm = self.norm2(x)
-        if type(self.mlp) is timm_mlp and mlp.plain(self.mlp):
+        if mlp.wanted() and type(self.mlp) is timm_mlp and mlp.plain(self.mlp):
             return x + self.drop_path(mlp.gelu_mlp(self.mlp, x_norm))
         return x + self.drop_path(self.mlp(x_norm))
 
@@ -300,7 +301,7 @@ PATCHES = (
         make_block_forward,
         HIERA_BLOCK_FORWARD,
         checks=(check_do_pool,),
-        summary="MLP saves 1 hidden tensor less for backward (GELU recomputed)",
+        summary="under torch.compile, the MLP saves 1 hidden tensor less for backward (GELU recomputed)",
     ),
     Patch(
         "fair.encoder",
