@@ -756,6 +756,16 @@ def _step_graph_status() -> Optional[dict]:
         return None
 
 
+def _attention_calls() -> Optional[dict]:
+    """Which attention kernel (our Triton one or SDPA) each call shape of the patched side ran."""
+    try:
+        from .ops import attention
+
+        return attention.describe_choices()
+    except Exception:
+        return None
+
+
 def _dynamo_counts() -> dict:
     try:
         from torch._dynamo.utils import counters
@@ -925,6 +935,7 @@ def run_isolated_side(
         result["dynamo"] = _dynamo_counts()
     if side == "patched":
         result["step_graph"] = _step_graph_status()
+        result["attention_calls"] = _attention_calls()
     if spec.profile:
         try:
             result["attention"] = profile_attention(step, device, spec.seed)

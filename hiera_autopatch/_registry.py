@@ -239,6 +239,9 @@ def status() -> dict:
                 if report.error:
                     entry["error"] = report.error
             targets[name] = entry
+        attention_calls = {}
+        if "hiera_autopatch.ops.attention" in sys.modules:
+            attention_calls = sys.modules["hiera_autopatch.ops.attention"].describe_choices()
         return {
             "enabled": config.enabled,
             "enabled_by": config.source,
@@ -246,5 +249,6 @@ def status() -> dict:
             "forced_patches": sorted(config.forced_patches),
             "attention": config.attention,
             "graphs": config.graphs,
+            "attention_calls": attention_calls,
             "targets": targets,
         }

@@ -217,6 +217,7 @@ def render_record(path: str, data: dict, relative_to: str = ROOT) -> str:
         f"**{_env_line(env)}** — median ms per forward+backward step, {_first(cells, 'steps')} timed steps per side; "
         f"speed-up = unpatched ms / patched ms. Source: [`{shown}`]({shown}), made by `{env.get('command', '?')}`.",
         "",
+        *([f"_{data['note']}_", ""] if data.get("note") else []),
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" if i < 6 else "---:" for i in range(len(header))) + "|",
     ]

@@ -112,3 +112,13 @@ def test_keep_count():
         masking.keep_count(mask)
     assert masking.keep_count(mask, strict=False) is None
     assert masking.static_keep_count(49, 0.6) == 19
+
+
+def test_status_reports_which_kernel_each_attention_shape_ran():
+    import hiera_autopatch
+
+    attention.choices.clear()
+    qkv = torch.randn(2, 16 * 3, 3 * 2 * 8)
+    attention.mask_unit_attention(qkv, 3, 2, 4)
+    calls = hiera_autopatch.status()["attention_calls"]
+    assert calls == {"B=2 nw=3 T=16 S=4 H=2 D=8 eager": "sdpa"}  # CPU tensors: never the GPU kernel

@@ -36,6 +36,26 @@ def triton_max_keys(head_dim: int) -> int:
     return TRITON_MAX_KEYS_SMALL_HEADS if head_dim <= 64 else TRITON_MAX_KEYS
 
 
+choices: dict = {}
+"""What ran, per call shape seen in this process: (batch, windows, tokens per window, q_stride,
+heads, head_dim, compiled) -> "triton" or "sdpa". ``hiera_autopatch.status()`` lists it."""
+
+
+def _record(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int, kernel: str) -> None:
+    batch, tokens, channels = qkv.shape
+    key = (batch, num_windows, tokens // num_windows, q_stride, heads, channels // (3 * heads),
+           torch.compiler.is_compiling())
+    choices[key] = kernel
+
+
+def describe_choices() -> dict:
+    """``choices`` as readable strings, e.g. "B=128 nw=19 T=64 S=1 H=1 D=96 compiled": "triton"."""
+    return {
+        f"B={b} nw={nw} T={t} S={s} H={h} D={d} {'compiled' if compiled else 'eager'}": kernel
+        for (b, nw, t, s, h, d, compiled), kernel in choices.items()
+    }
+
+
 def use_triton(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int) -> bool:
     """Which kernel runs this call: ours where it is faster and supports the shape, else SDPA."""
     if backend == "sdpa":
@@ -100,7 +120,9 @@ def mask_unit_attention(
     Returns (B, N // q_stride, heads * head_dim) in FAIR's layout, ready for the output Linear.
     """
     if use_triton(qkv, num_windows, heads, q_stride):
+        _record(qkv, num_windows, heads, q_stride, "triton")
         return triton_attention.window_attention(qkv, num_windows, heads, q_stride, pool)
+    _record(qkv, num_windows, heads, q_stride, "sdpa")
     batch, tokens, channels = qkv.shape
     head_dim = channels // (3 * heads)
     per_window = tokens // num_windows
