@@ -121,4 +121,10 @@ def test_status_reports_which_kernel_each_attention_shape_ran():
     qkv = torch.randn(2, 16 * 3, 3 * 2 * 8)
     attention.mask_unit_attention(qkv, 3, 2, 4)
     calls = hiera_autopatch.status()["attention_calls"]
-    assert calls == {"B=2 nw=3 T=16 S=4 H=2 D=8 eager": "sdpa"}  # CPU tensors: never the GPU kernel
+    assert calls == {"nw=3 T=16 S=4 H=2 D=8 eager": "sdpa"}  # CPU tensors: never the GPU kernel
+    # under torch.compile, dynamic batch included, recording never breaks the graph
+    compiled = torch.compile(lambda t: attention.mask_unit_attention(t, 3, 2, 4), fullgraph=True,
+                             dynamic=True, backend="eager")
+    compiled(qkv)
+    compiled(torch.randn(5, 16 * 3, 3 * 2 * 8))
+    assert hiera_autopatch.status()["attention_calls"]["nw=3 T=16 S=4 H=2 D=8 compiled"] == "sdpa"

@@ -37,22 +37,24 @@ def triton_max_keys(head_dim: int) -> int:
 
 
 choices: dict = {}
-"""What ran, per call shape seen in this process: (batch, windows, tokens per window, q_stride,
-heads, head_dim, compiled) -> "triton" or "sdpa". ``hiera_autopatch.status()`` lists it."""
+"""What ran, per call shape seen in this process: (windows, tokens per window, q_stride, heads,
+head_dim, compiled) -> "triton" or "sdpa". ``hiera_autopatch.status()`` lists it."""
 
 
 def _record(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int, kernel: str) -> None:
-    batch, tokens, channels = qkv.shape
-    key = (batch, num_windows, tokens // num_windows, q_stride, heads, channels // (3 * heads),
-           torch.compiler.is_compiling())
-    choices[key] = kernel
+    _, tokens, channels = qkv.shape
+    key = (num_windows, tokens // num_windows, q_stride, heads, channels // (3 * heads))
+    # under torch.compile with dynamic shapes a size is symbolic: not recorded (a symbolic dict key
+    # would break the graph), and the batch size is left out of the key for that reason
+    if all(type(value) is int for value in key):
+        choices[key + (torch.compiler.is_compiling(),)] = kernel
 
 
 def describe_choices() -> dict:
-    """``choices`` as readable strings, e.g. "B=128 nw=19 T=64 S=1 H=1 D=96 compiled": "triton"."""
+    """``choices`` as readable strings, e.g. "nw=19 T=64 S=1 H=1 D=96 compiled": "triton"."""
     return {
-        f"B={b} nw={nw} T={t} S={s} H={h} D={d} {'compiled' if compiled else 'eager'}": kernel
-        for (b, nw, t, s, h, d, compiled), kernel in choices.items()
+        f"nw={nw} T={t} S={s} H={h} D={d} {'compiled' if compiled else 'eager'}": kernel
+        for (nw, t, s, h, d, compiled), kernel in choices.items()
     }
 
 
