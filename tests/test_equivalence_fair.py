@@ -242,6 +242,37 @@ def test_mae_step_traces_as_one_graph():
     torch._dynamo.reset()
 
 
+def test_graphs_mode_path_on_cpu(monkeypatch):
+    """HIERA_OPTIM_GRAPHS's own path (ops/step_graph.run) on CPU, in the state of a fresh process:
+    empty caches, the first call compiled. aot_eager stands in for Inductor + CUDA graphs. It must
+    compile without falling back, over several steps and masks, and give FAIR's results."""
+    from hiera_autopatch.ops import step_graph
+    from hiera_autopatch.patches import _base
+
+    real_compile = torch.compile
+    monkeypatch.setattr(step_graph, "wanted", lambda x: True)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, fullgraph=True, backend="aot_eager"))
+    monkeypatch.setattr(step_graph, "_compiled", {})
+    monkeypatch.setattr(step_graph, "_broken", {})
+    _base._fingerprint_cache.clear()
+    torch._dynamo.reset()
+    model = fair_model("mae", "tiny", stages=(1, 1, 1, 1))
+    x = input_for(model)
+    graphed = [run_step(model, x, mae_call(), seed=seed) for seed in (1, 2, 3)]
+    assert step_graph.status()["compiled_steps"] == 1 and step_graph.status()["failed"] == []
+    with hiera_autopatch.disabled():
+        fair = [run_step(model, x, mae_call(), seed=seed) for seed in (1, 2, 3)]
+    for reference, result in zip(fair, graphed):
+        assert_equivalent(reference, result, FP32_OUT, FP32_GRAD)
+    # another batch size (an epoch's last batch): compiled again for that shape, same results
+    x3 = input_for(model, batch=3)
+    graphed = run_step(model, x3, mae_call(), seed=4)
+    assert step_graph.status()["failed"] == []
+    with hiera_autopatch.disabled():
+        assert_equivalent(run_step(model, x3, mae_call(), seed=4), graphed, FP32_OUT, FP32_GRAD)
+    torch._dynamo.reset()
+
+
 def test_q_pool_max_ties_send_gradient_to_one_slot_like_fair():
     """FAIR pools with max(dim).values: on ties the whole gradient goes to one slot."""
     torch.manual_seed(0)
