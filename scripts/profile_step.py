@@ -157,6 +157,7 @@ def main(argv=None) -> int:
 
     import hiera_autopatch
     from hiera_autopatch.ops import attention as attention_ops
+    from hiera_autopatch.ops import patch_embed as patch_embed_ops
     from hiera_autopatch.ops import step_graph
 
     model, x = build(args)
@@ -172,8 +173,11 @@ def main(argv=None) -> int:
         """Patch state for one mode; returns the callable model. "<config>[-attention][~patch,...]":
         "-sdpa" keeps PyTorch SDPA for attention instead of our Triton kernel, "~fair.block" leaves
         that patch off (an ablation), "@flash" pins SDPA's kernel where SDPA runs, "#2" names a
-        repeat (interleaved A/B)."""
+        repeat (interleaved A/B), "+kept_embed" turns on the experiment switch
+        ``ops.patch_embed.kept_only``. Order: config[-attention][~patches][@sdpa][+switches][#n]."""
         mode = mode.partition("#")[0]  # "#2": a repeat of the same mode, timed again
+        mode, _, switches = mode.partition("+")
+        patch_embed_ops.kept_only = "kept_embed" in switches.split("+")
         mode, _, sdpa = mode.partition("@")
         mode, _, off = mode.partition("~")
         config, _, attention = mode.partition("-")

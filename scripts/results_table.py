@@ -54,6 +54,7 @@ PROFILE_MODES = {
 def profile_label(mode: str) -> str:
     """"graphs-triton~fair.block@flash#2" -> readable words (scripts/profile_step.py's mode syntax)."""
     mode, _, repeat = mode.partition("#")
+    mode, _, switches = mode.partition("+")
     mode, _, pinned = mode.partition("@")
     mode, _, off = mode.partition("~")
     label = PROFILE_MODES.get(mode)
@@ -64,6 +65,8 @@ def profile_label(mode: str) -> str:
         label += f", without {off}"
     if pinned:
         label += f", SDPA pinned to {pinned}"
+    if switches:
+        label += ", " + ", ".join(switches.split("+"))
     if repeat:
         label += f" (repeat {repeat})"
     return label

@@ -12,8 +12,9 @@ import sys
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
-from ..ops import attention, loss, masking, mlp, step_graph
+from ..ops import attention, loss, masking, mlp, patch_embed, step_graph
 from . import _base
 from ._base import Patch
 
@@ -23,6 +24,10 @@ MASK_UNIT_ATTENTION_FORWARD = frozenset({"1858b2ecf667cca5"})
 HIERA_BLOCK_FORWARD = frozenset({"622e207bf14d51e4"})
 TIMM_MLP_FORWARD = frozenset({"f2fe57510e1eef51"})  # timm's Mlp, which FAIR's blocks use
 DO_POOL = frozenset({"34e705fa5b714105"})
+PATCH_EMBED_FORWARD = frozenset({"d30b67b7f8ff561a"})
+UNROLL_FORWARD = frozenset({"4bae67a70c70555d"})
+DO_MASKED_CONV = frozenset({"102e8b62ad4163a3"})
+GET_RESIZED_MASK = frozenset({"e328d2bde128a7d5"})
 HIERA_FORWARD = frozenset({"5b85aa9e5f0e0d8a"})
 GET_RANDOM_MASK = frozenset({"e965111f25ffeec2"})
 MAE_FORWARD_ENCODER = frozenset({"9b675f3cdba2366e"})
@@ -82,18 +87,63 @@ def check_do_pool(cls: type, module) -> Optional[str]:
 # --- encoder ---------------------------------------------------------------------------------
 
 
-def encode(self, x, mask: Optional[torch.Tensor], n_keep: Optional[int], return_intermediates: bool):
+def kept_embed_classes(module) -> Optional[tuple]:
+    """(PatchEmbed, Unroll) of FAIR's ``hiera`` module when their code is what
+    ``ops.patch_embed`` reproduces; None otherwise. Checked at patch time: a compiled step must not
+    read source."""
+    embed, unroll = getattr(module, "PatchEmbed", None), getattr(module, "Unroll", None)
+    masked_conv = getattr(module, "do_masked_conv", None)
+    resized_mask = getattr(masked_conv, "__globals__", {}).get("get_resized_mask")
+    known = (
+        _base.fingerprint(getattr(embed, "forward", None)) in PATCH_EMBED_FORWARD
+        and _base.fingerprint(getattr(unroll, "forward", None)) in UNROLL_FORWARD
+        and _base.fingerprint(masked_conv) in DO_MASKED_CONV
+        and _base.fingerprint(resized_mask) in GET_RESIZED_MASK
+    )
+    return (embed, unroll) if known else None
+
+
+def _embed_kept_units(self, x, unit_mask, keep_idx, kept_classes) -> Optional[torch.Tensor]:
+    """Patch + position embedding of the kept tokens only (ops/patch_embed.py), in the order FAIR's
+    unroll + keep leaves them: (B, mu_size * n_keep, C). None when that path does not apply."""
+    if not (patch_embed.kept_only and kept_classes is not None):
+        return None
+    embed_cls, unroll_cls = kept_classes
+    if type(self.patch_embed) is not embed_cls or type(self.unroll) is not unroll_cls:
+        return None
+    conv = self.patch_embed.proj
+    pos_embed = self.get_pos_embed()
+    num_tokens = math.prod(self.tokens_spatial_shape)
+    if not patch_embed.usable(conv) or pos_embed.shape[-2:] != (num_tokens, conv.out_channels):
+        return None
+    token_ids = patch_embed.kept_token_ids(self.unroll, num_tokens, keep_idx, math.prod(self.mask_spatial_shape))
+    # FAIR's get_resized_mask + do_masked_conv: nearest-resized unit mask, as bool, on the pixels
+    pixel_keep = unit_mask
+    if tuple(unit_mask.shape[2:]) != tuple(x.shape[2:]):
+        pixel_keep = F.interpolate(unit_mask.float(), size=x.shape[2:])
+    tokens = patch_embed.embed_tokens(x, pixel_keep.bool(), conv, token_ids, self.tokens_spatial_shape)
+    return tokens + patch_embed.position_rows(pos_embed, token_ids)  # (B, mu * n_keep, C)
+
+
+def encode(self, x, mask: Optional[torch.Tensor], n_keep: Optional[int], return_intermediates: bool,
+           kept_classes: Optional[tuple] = None):
     """FAIR's Hiera.forward with the masked units dropped by a gather of static length ``n_keep``."""
     if isinstance(x, list):  # slowfast training passes a list
         x = x[0]
     intermediates = []
     unit_mask = None if mask is None else mask.view(x.shape[0], 1, *self.mask_spatial_shape)
-    x = self.patch_embed(x, mask=unit_mask)  # (B, N, C)
-    x = x + self.get_pos_embed()
-    x = self.unroll(x)  # (B, N, C), mask unit index fastest
+    kept = None
     if mask is not None:
         keep_idx = masking.true_indices(mask, n_keep)  # (B, n_keep)
-        x = masking.keep_mask_units(x, keep_idx, mask.shape[1])  # (B, mu_size * n_keep, C)
+        kept = _embed_kept_units(self, x, unit_mask, keep_idx, kept_classes)
+    if kept is not None:
+        x = kept  # (B, mu_size * n_keep, C)
+    else:
+        x = self.patch_embed(x, mask=unit_mask)  # (B, N, C)
+        x = x + self.get_pos_embed()
+        x = self.unroll(x)  # (B, N, C), mask unit index fastest
+        if mask is not None:
+            x = masking.keep_mask_units(x, keep_idx, mask.shape[1])  # (B, mu_size * n_keep, C)
     for i, block in enumerate(self.blocks):
         x = block(x)
         if return_intermediates and i in self.stage_ends:
@@ -106,10 +156,12 @@ def encode(self, x, mask: Optional[torch.Tensor], n_keep: Optional[int], return_
 
 
 def make_hiera_forward(original: Callable, cls: type) -> Callable:
+    kept_classes = kept_embed_classes(_module_of(cls))
+
     def hiera_forward(self, x, mask=None, return_intermediates=False):
         """FAIR's Hiera.forward; a given mask is read once to learn its (equal) keep count."""
         n_keep = None if mask is None else masking.keep_count(mask)
-        return encode(self, x, mask, n_keep, return_intermediates)
+        return encode(self, x, mask, n_keep, return_intermediates, kept_classes)
 
     return hiera_forward
 
@@ -121,12 +173,17 @@ def _module_of(cls: type):
     return sys.modules[cls.__module__]
 
 
-def _super_forward(cls: type) -> Optional[Callable]:
-    """What ``super().forward`` means inside a method defined on ``cls``."""
+def _forward_base(cls: type) -> Optional[type]:
+    """The class whose ``forward`` ``super().forward`` means inside a method defined on ``cls``."""
     for base in cls.__mro__[1:]:
         if "forward" in base.__dict__:
-            return base.__dict__["forward"]
+            return base
     return None
+
+
+def _super_forward(cls: type) -> Optional[Callable]:
+    base = _forward_base(cls)
+    return None if base is None else base.__dict__["forward"]
 
 
 def check_encoder_parts(cls: type, module) -> Optional[str]:
@@ -141,6 +198,7 @@ def check_encoder_parts(cls: type, module) -> Optional[str]:
 def make_mae_forward_encoder(original: Callable, cls: type) -> Callable:
     fair_random_mask = cls.get_random_mask  # checked at patch time; checked again per call
     apply_fusion_head = _module_of(cls).apply_fusion_head  # FAIR's (checked), already static
+    kept_classes = kept_embed_classes(_module_of(_forward_base(cls)))  # the Hiera module's
 
     def random_mask(self, x, mask_ratio):
         """FAIR's random mask (same RNG use) and its keep count, known without reading the mask."""
@@ -151,7 +209,7 @@ def make_mae_forward_encoder(original: Callable, cls: type) -> Callable:
 
     def encode_kept(self, x, mask, n_keep: int):
         """Encoder features of the ``n_keep`` visible units, fused across scales."""
-        _, intermediates = encode(self, x, mask, n_keep, return_intermediates=True)
+        _, intermediates = encode(self, x, mask, n_keep, True, kept_classes)
         # resolution is unchanged after the q_pool stages, so their features are skipped
         intermediates = intermediates[: self.q_pool] + intermediates[-1:]
         fused = 0.0
