@@ -243,6 +243,12 @@ def format_cell(cell: dict) -> str:
             f"{_fmt_ms(data.get('ms_max')):>8} {f'{sps:,.0f}' if sps else '-':>10} "
             f"{_fmt_gib(data.get('peak_mem_bytes')):>9} {_fmt_s(data.get('compile_s')):>9} {ratio:>9}"
         )
+    pipelined = {side: data.get("pipelined_ms") for side, data in cell.get("sides", {}).items()}
+    if any(pipelined.values()):
+        parts = [f"{side} {_fmt_ms(ms)}" for side, ms in pipelined.items() if ms]
+        ratio = (cell.get("pipelined_speedups") or {}).get("patched")
+        lines.append(f"  no per-step sync (ms/step): {', '.join(parts)}"
+                     + (f"; speed-up {fmt_ratio(ratio)}" if ratio else ""))
     for key, who in (("numerics", "patched"), ("numerics_hiera_optim", "hiera_optim")):
         num = cell.get(key)
         if num:

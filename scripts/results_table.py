@@ -170,6 +170,9 @@ def render_record(path: str, data: dict, relative_to: str = ROOT) -> str:
     header = ["config", "model", "input", "batch", "dtype", "mode", "unpatched ms", "patched ms", "speed-up"]
     if third:
         header += ["hiera-optim ms", "hiera-optim speed-up"]
+    pipelined = any(c.get("pipelined_speedups") for c in cells)
+    if pipelined:
+        header += ["no per-step sync: ms (unpatched → patched), speed-up"]
     header += ["peak GiB (unpatched → patched)", "compile s (unpatched / patched)", "numerics", "attention (unpatched → patched)"]
     rows = []
     skipped = []
@@ -197,6 +200,10 @@ def render_record(path: str, data: dict, relative_to: str = ROOT) -> str:
             opt = sides.get("hiera_optim", {})
             ratio = (cell.get("speedups") or {}).get("hiera_optim")
             row += [_ms(opt.get("ms_median")), f"{ratio:.2f}x" if ratio else "–"]
+        if pipelined:
+            ratio = (cell.get("pipelined_speedups") or {}).get("patched")
+            row.append(f"{_ms(unp.get('pipelined_ms'))} → {_ms(pat.get('pipelined_ms'))}, "
+                       + (f"{ratio:.2f}x" if ratio else "–"))
         compile_s = "–"
         if unp.get("compile_s") is not None or pat.get("compile_s") is not None:
             compile_s = " / ".join(f"{s['compile_s']:.0f}" if s.get("compile_s") is not None else "–" for s in (unp, pat))

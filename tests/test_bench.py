@@ -232,8 +232,11 @@ def test_json_schema(runs):
             assert key in side
         assert len(side["ms_all"]) == 2 and side["ms_min"] <= side["ms_median"] <= side["ms_max"]
         assert "backends" in side["attention"]
+        assert side["pipelined_ms"] > 0  # the same steps back to back, one sync at the end
     assert cell["sides"]["unpatched"]["patches"]["active"] == []
     assert cell["speedup"] == pytest.approx(cell["sides"]["unpatched"]["ms_median"] / cell["sides"]["patched"]["ms_median"])
+    assert cell["pipelined_speedups"]["patched"] == pytest.approx(
+        cell["sides"]["unpatched"]["pipelined_ms"] / cell["sides"]["patched"]["pipelined_ms"])
     for key in ("loss_abs_diff", "loss_rel_diff", "grad_max_abs_diff", "grad_max_rel_norm_diff", "limits", "ok"):
         assert key in cell["numerics"]
 
@@ -249,6 +252,7 @@ def test_stdout_table_from_json(runs):
 
     text = _bench_report.format_record(_json(runs, "tiny"))
     assert "unpatched" in text and "patched" in text and "1.00x" in text and "numerics" in text
+    assert "no per-step sync" in text
 
 
 # ------------------------------------------------------------------------------------------
@@ -353,6 +357,7 @@ def test_isolated_sides_run_in_child_processes(runs):
     cell = _json(runs, "isolated")["results"][0]
     assert result.returncode == 0, explain(result)
     assert cell["sides"]["unpatched"]["ms_median"] > 0 and cell["sides"]["patched"]["ms_median"] > 0
+    assert cell["sides"]["unpatched"]["pipelined_ms"] > 0 and cell["sides"]["patched"]["pipelined_ms"] > 0
     assert cell["sides"]["unpatched"]["param_checksum"] == cell["sides"]["patched"]["param_checksum"]
     assert cell["numerics"]["ok"], cell["numerics"]["problems"]
     assert cell["sides"]["unpatched"]["patches"]["active"] == []
