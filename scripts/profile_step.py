@@ -174,10 +174,11 @@ def main(argv=None) -> int:
         "-sdpa" keeps PyTorch SDPA for attention instead of our Triton kernel, "~fair.block" leaves
         that patch off (an ablation), "@flash" pins SDPA's kernel where SDPA runs, "#2" names a
         repeat (interleaved A/B), "+kept_embed" turns on the experiment switch
-        ``ops.patch_embed.kept_only``. Order: config[-attention][~patches][@sdpa][+switches][#n]."""
+        ``ops.patch_embed.kept_only``, "+max_autotune" compiles the graphed step in that mode. Order: config[-attention][~patches][@sdpa][+switches][#n]."""
         mode = mode.partition("#")[0]  # "#2": a repeat of the same mode, timed again
         mode, _, switches = mode.partition("+")
         patch_embed_ops.kept_only = "kept_embed" in switches.split("+")
+        step_graph.compile_mode = "max-autotune" if "max_autotune" in switches.split("+") else "reduce-overhead"
         mode, _, sdpa = mode.partition("@")
         mode, _, off = mode.partition("~")
         config, _, attention = mode.partition("-")

@@ -16,6 +16,12 @@ import torch
 enabled = False
 """Set by the registry from ``HIERA_OPTIM_GRAPHS``."""
 
+compile_mode = "reduce-overhead"
+"""torch.compile mode of the graphed step. ``max-autotune`` (CUDA graphs too, plus Inductor's GEMM
+autotuning, which can fuse GELU into a Triton GEMM's epilogue) is an experiment switch: its
+compile takes many minutes and it is not measured yet (``scripts/profile_step.py`` mode suffix
+``+max_autotune``)."""
+
 _compiled: Dict[Callable, Callable] = {}
 _broken: Dict[Callable, str] = {}
 
@@ -31,7 +37,7 @@ def run(step: Callable, *args):
         return step(*args)
     compiled = _compiled.get(step)
     if compiled is None:
-        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        compiled = torch.compile(step, mode=compile_mode, fullgraph=True, dynamic=False)
         _compiled[step] = compiled
     try:
         outputs = compiled(*args)
