@@ -7,9 +7,11 @@ and recomputes GELU in backward. Every product is the one autograd computes, on 
 so the gradients are the same.
 
 Used only under torch.compile (our CUDA graphs included): there Inductor folds the recomputation
-into the GELU-backward kernel it runs anyway, so it costs nothing measurable (H200, Hiera-B MAE:
-37.0 ms/step, peak 8.0 -> 6.3 GiB). In eager it is one more kernel and a Python autograd node per
-block: 2-7 ms per step slower in an interleaved A/B (benchmarks/results/h200_profile_block_decoder.json).
+into the GELU-backward kernel it runs anyway. H200, Hiera-B MAE, graphs: 37.0 ms/step at 6.3 GiB
+with it (benchmarks/results/h200_profile_gaps.json) against 37.5 ms at 8.0 GiB without it in an
+earlier run (h200_profile_ablation.json; two runs, not an interleaved A/B). In eager it is one more
+kernel and a Python autograd node per block: 2-7 ms per step slower in an interleaved A/B
+(h200_profile_block_decoder.json).
 """
 
 from __future__ import annotations
