@@ -107,6 +107,8 @@ CPU_CASES = [
     pytest.param(1, 3, 16, 1, 24, 4, {"G": 2, "BLOCK_M": 16, "BLOCK_N": 16},
                  id="G2-groups-span-blocks"),
     pytest.param(2, 2, 32, 2, 24, 2, {"BLOCK_M": 16, "BLOCK_N": 16}, id="B2-H2-nw2-multiblock"),
+    # the MAE decoder's shape with its tuned default blocks (64 keys: four key blocks, partial last)
+    pytest.param(1, 1, 196, 2, 32, 1, None, id="decoder-T196-D32-tuned"),
 ]
 
 
