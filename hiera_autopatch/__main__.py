@@ -226,6 +226,16 @@ def _installed(name: str) -> bool:
         return False
 
 
+ATTENTION_RULES = {
+    "auto": "our Triton kernel under torch.compile and CUDA graphs for windows of <= 128 keys "
+    "(<= 256 with head_dim <= 64), PyTorch SDPA otherwise and in eager",
+    "sdpa": "PyTorch SDPA everywhere (4-D, fused kernels)",
+    "triton": "our Triton kernel wherever it supports the shape, eager included",
+}
+"""What each HIERA_OPTIM_ATTENTION value runs (ops/attention.use_triton); ``status`` prints it, and
+``hiera_autopatch.status()["attention_calls"]`` lists what a running process actually ran."""
+
+
 def format_status(report: dict) -> str:
     lines = [f"hiera_autopatch {report['version']}  ({report['package']})"]
     if report["enabled"]:
@@ -243,6 +253,7 @@ def format_status(report: dict) -> str:
         f"  forced={','.join(report['forced_patches']) or '-'}"
         f"  attention={report['attention']}  graphs={'on' if report['graphs'] else 'off'}"
     )
+    lines.append(f"attention kernels: {ATTENTION_RULES.get(report['attention'], '?')}")
     lines.append(f"patch names: {', '.join(report['known_patches'])}")
     if report["imported_by_status"]:
         lines.append(

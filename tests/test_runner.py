@@ -228,6 +228,7 @@ def test_status_command():
     assert f"hiera_autopatch {hiera_autopatch.__version__}" in text.stdout
     assert "patching: off" in text.stdout
     assert "hiera.hiera" in text.stdout and "fair.attention" in text.stdout and "applied" in text.stdout
+    assert "attention kernels: our Triton kernel under torch.compile" in text.stdout  # auto's rule
 
     report = json.loads(r["json"].stdout)
     assert report["enabled"] is True and report["enabled_by"] == "env"
