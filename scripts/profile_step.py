@@ -5,8 +5,10 @@
 One process, one model (same weights, same input), configurations run one after the other:
 ``fair`` (FAIR eager), ``patched`` (hiera_autopatch eager), ``graphs`` (HIERA_OPTIM_GRAPHS: the
 static MAE step under CUDA graphs, no user edit), ``compile`` (the user's own ``torch.compile``
-of the patched model); a ``-sdpa`` suffix keeps PyTorch SDPA instead of our Triton attention. FAIR is never compiled here, so class patching cannot leak into a compiled
-FAIR graph. Prints JSON; ratios in the JSON are FAIR-eager ms / config ms.
+of the patched model); suffixes make ablations (``parse_mode``: ``graphs-triton``,
+``patched~fair.block``, ``graphs+kept_embed``, ``patched#2``). FAIR is never compiled here, so
+class patching cannot leak into a compiled FAIR graph. Prints JSON; ratios in the JSON are
+FAIR-eager ms / config ms.
 """
 
 from __future__ import annotations
@@ -38,6 +40,43 @@ def kind_of(name: str) -> str:
         if re.search(pattern, name):
             return kind
     return "other"
+
+
+CONFIGS = ("fair", "patched", "graphs", "compile")
+SWITCHES = ("kept_embed", "max_autotune")
+SDPA_BACKENDS = ("flash", "efficient", "cudnn")
+
+
+def parse_mode(mode: str) -> dict:
+    """``config[-attention][~patch...][@sdpa][+switch...][#n]``, e.g. ``graphs-triton~fair.block+kept_embed``.
+
+    config: fair (FAIR eager), patched (eager), graphs (HIERA_OPTIM_GRAPHS), compile (the user's
+    torch.compile of the patched model); -attention: auto/sdpa/triton; ~patch: leave that patch off
+    (repeatable: ``~fair.block~fair.mae_loss``; commas separate modes in ``--modes``);
+    @sdpa: pin SDPA to flash/efficient/cudnn; +switch: kept_embed (ops.patch_embed.kept_only),
+    max_autotune (compile mode of the graphed step); #n: a repeat, timed again (interleaved A/B).
+    """
+    rest, _, repeat = mode.partition("#")
+    rest, _, switches = rest.partition("+")
+    rest, _, sdpa = rest.partition("@")
+    rest, *off = rest.split("~")
+    config, _, attention = rest.partition("-")
+    spec = {
+        "config": config, "attention": attention or "auto", "repeat": repeat,
+        "disabled": {name for name in off if name},
+        "sdpa": sdpa or None, "switches": [name for name in switches.split("+") if name],
+    }
+    problems = []
+    if config not in CONFIGS:
+        problems.append(f"config {config!r} is not one of {', '.join(CONFIGS)}")
+    if spec["attention"] not in ("auto", "sdpa", "triton"):
+        problems.append(f"attention {attention!r} is not auto, sdpa or triton")
+    if sdpa and sdpa not in SDPA_BACKENDS:
+        problems.append(f"SDPA backend {sdpa!r} is not one of {', '.join(SDPA_BACKENDS)}")
+    problems += [f"switch {name!r} is not one of {', '.join(SWITCHES)}" for name in spec["switches"] if name not in SWITCHES]
+    if problems:
+        raise ValueError(f"mode {mode!r}: " + "; ".join(problems))
+    return spec
 
 
 def build(args):
@@ -155,6 +194,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
+    for mode in args.modes.split(","):
+        try:
+            parse_mode(mode)
+        except ValueError as exc:
+            parser.error(str(exc))
     import hiera_autopatch
     from hiera_autopatch.ops import attention as attention_ops
     from hiera_autopatch.ops import patch_embed as patch_embed_ops
@@ -170,26 +214,18 @@ def main(argv=None) -> int:
         "modes": {},
     }
     def configure(mode):
-        """Patch state for one mode; returns the callable model. "<config>[-attention][~patch,...]":
-        "-sdpa" keeps PyTorch SDPA for attention instead of our Triton kernel, "~fair.block" leaves
-        that patch off (an ablation), "@flash" pins SDPA's kernel where SDPA runs, "#2" names a
-        repeat (interleaved A/B), "+kept_embed" turns on the experiment switch
-        ``ops.patch_embed.kept_only``, "+max_autotune" compiles the graphed step in that mode. Order: config[-attention][~patches][@sdpa][+switches][#n]."""
-        mode = mode.partition("#")[0]  # "#2": a repeat of the same mode, timed again
-        mode, _, switches = mode.partition("+")
-        patch_embed_ops.kept_only = "kept_embed" in switches.split("+")
-        step_graph.compile_mode = "max-autotune" if "max_autotune" in switches.split("+") else "reduce-overhead"
-        mode, _, sdpa = mode.partition("@")
-        mode, _, off = mode.partition("~")
-        config, _, attention = mode.partition("-")
-        attention_ops.sdpa_backend = sdpa or None
+        """Patch state for one mode (see ``parse_mode``); returns the callable model."""
+        spec = parse_mode(mode)
+        patch_embed_ops.kept_only = "kept_embed" in spec["switches"]
+        step_graph.compile_mode = "max-autotune" if "max_autotune" in spec["switches"] else "reduce-overhead"
+        attention_ops.sdpa_backend = spec["sdpa"]
         hiera_autopatch.disable()
         step_graph.enabled = False
-        if config != "fair":
-            hiera_autopatch.enable(graphs=(config == "graphs"), attention=attention or "auto",
-                                   disabled_patches={name for name in off.split(",") if name})
-        if config == "compile":
-            return compiled.setdefault(mode, torch.compile(model))
+        if spec["config"] != "fair":
+            hiera_autopatch.enable(graphs=spec["config"] == "graphs", attention=spec["attention"],
+                                   disabled_patches=spec["disabled"])
+        if spec["config"] == "compile":
+            return compiled.setdefault(mode.partition("#")[0], torch.compile(model))
         return model
 
     compiled = {}

@@ -56,13 +56,13 @@ def profile_label(mode: str) -> str:
     mode, _, repeat = mode.partition("#")
     mode, _, switches = mode.partition("+")
     mode, _, pinned = mode.partition("@")
-    mode, _, off = mode.partition("~")
+    mode, *off = mode.split("~")
     label = PROFILE_MODES.get(mode)
     if label is None:
         config, _, attention = mode.partition("-")
         label = PROFILE_MODES.get(config, config) + (f", {attention} attention everywhere" if attention else "")
     if off:
-        label += f", without {off}"
+        label += f", without {', '.join(off)}"
     if pinned:
         label += f", SDPA pinned to {pinned}"
     if switches:

@@ -413,3 +413,18 @@ def test_results_table_renders_and_rewrites_readme(runs, tmp_path):
     assert "old" not in new and "mae_hiera_tiny_224" in new and new.endswith("after\n")
     readme.write_text("no markers\n")
     assert table.main([json_path, "--write", str(readme)]) == 2
+
+
+def test_profile_step_modes_parse_and_bad_ones_are_rejected():
+    profile_step = _load_script("profile_step")
+    table = _load_script("results_table")
+    spec = profile_step.parse_mode("graphs-triton~fair.block~fair.mae_loss@flash+kept_embed+max_autotune#2")
+    assert spec == {"config": "graphs", "attention": "triton", "repeat": "2", "sdpa": "flash",
+                    "disabled": {"fair.block", "fair.mae_loss"}, "switches": ["kept_embed", "max_autotune"]}
+    assert profile_step.parse_mode("patched")["attention"] == "auto"
+    for bad in ("graph", "patched-fast", "patched@math", "graphs+kept"):
+        with pytest.raises(ValueError, match="mode"):
+            profile_step.parse_mode(bad)
+    label = table.profile_label("graphs-triton~fair.block~fair.mae_loss@flash+kept_embed#2")
+    assert label == ("patched, HIERA_OPTIM_GRAPHS=1, triton attention everywhere, without fair.block, "
+                     "fair.mae_loss, SDPA pinned to flash, kept_embed (repeat 2)")
