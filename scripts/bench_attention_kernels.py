@@ -32,20 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# name, nw, T, H, D, S: Hiera-B at 224px; MAE keeps 19 of 49 mask units (stages 1-2), 76 tokens
-# in stage 3 (19 units x 4); classification keeps all 49 (196 tokens in stage 3).
-SHAPES = [
-    ("stage1-mae", 19, 64, 1, 96, 1),
-    ("stage2-pool", 19, 64, 2, 96, 4),
-    ("stage2", 19, 16, 2, 96, 1),
-    ("stage3-pool", 19, 16, 4, 96, 4),
-    ("stage3-global-mae", 1, 76, 4, 96, 1),
-    ("stage4-pool-global", 1, 76, 8, 96, 4),
-    ("stage4-global-mae", 1, 19, 8, 96, 1),
-    ("decoder", 1, 196, 16, 32, 1),
-    ("stage1-cls", 49, 64, 1, 96, 1),
-    ("stage3-global-cls", 1, 196, 4, 96, 1),
-]
+from hiera_autopatch.ops.triton.window_attention import HIERA_B_SHAPES as SHAPES  # noqa: E402
+
 VARIANTS = ("fair_5d", "sdpa_4d", "triton", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 COPY_TBPS = 4.3  # device-to-device copy measured on these H200s (KINDS.md): the bytes floor
 

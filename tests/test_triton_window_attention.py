@@ -211,18 +211,7 @@ def test_reference_is_fairs_attention():
 # GPU: the real Hiera shapes (B=128, 224px)
 # ------------------------------------------------------------------------------------------------
 
-# (name, nw, T, H, D, S)
-GPU_SHAPES = [
-    ("stage1-mae", 19, 64, 1, 96, 1),
-    ("stage1-cls", 49, 64, 1, 96, 1),
-    ("stage2-pool", 19, 64, 2, 96, 4),
-    ("stage2", 19, 16, 2, 96, 1),
-    ("stage3-pool", 19, 16, 4, 96, 4),
-    ("stage3-global-mae", 1, 76, 4, 96, 1),
-    ("stage4-pool-global", 1, 76, 8, 96, 4),
-    ("stage3-global-cls", 1, 196, 4, 96, 1),
-    ("decoder", 1, 196, 16, 32, 1),
-]
+GPU_SHAPES = wa.HIERA_B_SHAPES  # (name, nw, T, H, D, S)
 
 
 @gpu_only

@@ -102,23 +102,14 @@ if HAS_TRITON:
         return b, grp, h, blk
 
     @triton.jit
-    def _query_rows(blk, w0, NW, G: tl.constexpr, Tq: tl.constexpr, BLOCK_M: tl.constexpr):
-        # query row i of this block = flat index m = blk*BLOCK_M + i over the group's G*Tq queries,
-        # window-major: m = g*Tq + tq, window w = w0 + g.
-        m = blk * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-        g = m // Tq
-        tq = m % Tq
-        ok = (m < G * Tq) & (w0 + g < NW)
-        return g, tq, w0 + g, ok
-
-    @triton.jit
-    def _key_cols(blk, w0, NW, G: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr):
-        # key column j of this block = flat index n = blk*BLOCK_N + j over the group's G*T keys,
-        # window-major: n = g*T + t, window w = w0 + g.
-        n = blk * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-        g = n // T
-        t = n % T
-        ok = (n < G * T) & (w0 + g < NW)
+    def _group_positions(blk, w0, NW, G: tl.constexpr, L: tl.constexpr, BLOCK: tl.constexpr):
+        # Position i of this block = flat index p = blk*BLOCK + i over the group's G*L queries
+        # (L = Tq, BLOCK = BLOCK_M) or keys (L = T, BLOCK = BLOCK_N), window-major: p = g*L + t,
+        # window w = w0 + g. Returns (g, t, w, ok), each (BLOCK,).
+        p = blk * BLOCK + tl.arange(0, BLOCK)
+        g = p // L
+        t = p % L
+        ok = (p < G * L) & (w0 + g < NW)
         return g, t, w0 + g, ok
 
     @triton.jit
@@ -191,7 +182,7 @@ if HAS_TRITON:
 
         offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
         d_ok = offs_d < D
-        g_q, tq, w_q, q_ok = _query_rows(mb, w0, NW, G, Tq, BLOCK_M)  # (BLOCK_M,) each
+        g_q, tq, w_q, q_ok = _group_positions(mb, w0, NW, G, Tq, BLOCK_M)  # (BLOCK_M,) each
         q_mask = q_ok[:, None] & d_ok[None, :]  # (BLOCK_M, BLOCK_D)
         q = _load_pooled_q(q_ptr, tq, w_q, q_mask, offs_d, NW, ROW, Tq, S)  # (BLOCK_M, BLOCK_D)
 
@@ -205,7 +196,7 @@ if HAS_TRITON:
         kb_lo = (m_first // Tq) * T // BLOCK_N
         kb_hi = ((m_last // Tq + 1) * T + BLOCK_N - 1) // BLOCK_N
         for kb in range(kb_lo, kb_hi):
-            g_k, t_k, w_k, k_ok = _key_cols(kb, w0, NW, G, T, BLOCK_N)  # (BLOCK_N,) each
+            g_k, t_k, w_k, k_ok = _group_positions(kb, w0, NW, G, T, BLOCK_N)  # (BLOCK_N,) each
             k_mask = k_ok[:, None] & d_ok[None, :]
             k_rows = t_k * NW + w_k  # (BLOCK_N,) qkv rows
             k = tl.load(k_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
@@ -259,7 +250,7 @@ if HAS_TRITON:
 
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        g_k, t_k, w_k, k_ok = _key_cols(nb, w0, NW, G, T, BLOCK_N)  # (BLOCK_N,) each
+        g_k, t_k, w_k, k_ok = _group_positions(nb, w0, NW, G, T, BLOCK_N)  # (BLOCK_N,) each
         k_mask = k_ok[:, None] & d_ok[None, :]  # (BLOCK_N, BLOCK_D)
         k_rows = t_k * NW + w_k
         k = tl.load(k_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
@@ -273,7 +264,7 @@ if HAS_TRITON:
         mb_lo = (n_first // T) * Tq // BLOCK_M
         mb_hi = ((n_last // T + 1) * Tq + BLOCK_M - 1) // BLOCK_M
         for mb in range(mb_lo, mb_hi):
-            g_q, tq, w_q, q_ok = _query_rows(mb, w0, NW, G, Tq, BLOCK_M)  # (BLOCK_M,) each
+            g_q, tq, w_q, q_ok = _group_positions(mb, w0, NW, G, Tq, BLOCK_M)  # (BLOCK_M,) each
             q_mask = q_ok[:, None] & d_ok[None, :]  # (BLOCK_M, BLOCK_D)
             q = _load_pooled_q(q_ptr, tq, w_q, q_mask, offs_d, NW, ROW, Tq, S)
             o_rows = tq * NW + w_q
@@ -351,7 +342,7 @@ if HAS_TRITON:
 
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        g_q, tq, w_q, q_ok = _query_rows(mb, w0, NW, G, Tq, BLOCK_M)  # (BLOCK_M,) each
+        g_q, tq, w_q, q_ok = _group_positions(mb, w0, NW, G, Tq, BLOCK_M)  # (BLOCK_M,) each
         q_mask = q_ok[:, None] & d_ok[None, :]
         q = _load_pooled_q(q_ptr, tq, w_q, q_mask, offs_d, NW, ROW, Tq, S)  # (BLOCK_M, BLOCK_D)
         o_rows = tq * NW + w_q
@@ -365,7 +356,7 @@ if HAS_TRITON:
         kb_lo = (m_first // Tq) * T // BLOCK_N
         kb_hi = ((m_last // Tq + 1) * T + BLOCK_N - 1) // BLOCK_N
         for kb in range(kb_lo, kb_hi):
-            g_k, t_k, w_k, k_ok = _key_cols(kb, w0, NW, G, T, BLOCK_N)
+            g_k, t_k, w_k, k_ok = _group_positions(kb, w0, NW, G, T, BLOCK_N)
             k_mask = k_ok[:, None] & d_ok[None, :]
             k_rows = t_k * NW + w_k
             k = tl.load(k_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
@@ -413,6 +404,22 @@ def supports(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int) -> 
         return False
     return True
 
+
+HIERA_B_SHAPES = (
+    # (name, nw, T, H, D, S) of every attention call in Hiera-B at 224 px. MAE keeps 19 of 49 mask
+    # units (stages 1-2) and 76 tokens in stage 3 (19 units x 4); classification keeps all 49 (196
+    # tokens in stage 3). The benchmark and the GPU tests run these.
+    ("stage1-mae", 19, 64, 1, 96, 1),
+    ("stage2-pool", 19, 64, 2, 96, 4),
+    ("stage2", 19, 16, 2, 96, 1),
+    ("stage3-pool", 19, 16, 4, 96, 4),
+    ("stage3-global-mae", 1, 76, 4, 96, 1),
+    ("stage4-pool-global", 1, 76, 8, 96, 4),
+    ("stage4-global-mae", 1, 19, 8, 96, 1),
+    ("decoder", 1, 196, 16, 32, 1),
+    ("stage1-cls", 49, 64, 1, 96, 1),
+    ("stage3-global-cls", 1, 196, 4, 96, 1),
+)
 
 TUNED: Dict[Tuple[int, int, int], Dict[str, int]] = {
     # (T, S, D) -> blocks that beat the rule below on the H200 (scripts/bench_attention_kernels.py
