@@ -920,6 +920,9 @@ def run_isolated_side(
         del eager, golden
     fn = _compiled(model, spec.mode)
     step = Step(fn, built, spec, device)
+    # Peak memory over warm-up and timed steps alike: a CUDA graph takes its memory at capture (in
+    # warm-up) and a replay allocates nothing, so a peak counted from the timed steps alone misses it.
+    reset_peak(device)
     t0 = time.perf_counter()
     first = None
     for i in range(spec.warmup):
@@ -948,7 +951,6 @@ def run_isolated_side(
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    reset_peak(device)
     ms_all, wall_all = [], []
     for i in range(spec.steps):
         step.zero_grad()
