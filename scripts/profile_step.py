@@ -43,7 +43,7 @@ def kind_of(name: str) -> str:
 
 
 CONFIGS = ("fair", "patched", "graphs", "compile")
-SWITCHES = ("kept_embed", "max_autotune")
+SWITCHES = ("kept_embed", "full_embed", "max_autotune")
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -53,7 +53,8 @@ def parse_mode(mode: str) -> dict:
     config: fair (FAIR eager), patched (eager), graphs (HIERA_OPTIM_GRAPHS), compile (the user's
     torch.compile of the patched model); -attention: auto/sdpa/triton; ~patch: leave that patch off
     (repeatable: ``~fair.block~fair.mae_loss``; commas separate modes in ``--modes``);
-    @sdpa: pin SDPA to flash/efficient/cudnn; +switch: kept_embed (ops.patch_embed.kept_only),
+    @sdpa: pin SDPA to flash/efficient/cudnn; +switch: kept_embed / full_embed (ops.patch_embed.kept_only
+    on / off; neither: the library default),
     max_autotune (compile mode of the graphed step); #n: a repeat, timed again (interleaved A/B).
     """
     rest, _, repeat = mode.partition("#")
@@ -204,6 +205,7 @@ def main(argv=None) -> int:
     from hiera_autopatch.ops import patch_embed as patch_embed_ops
     from hiera_autopatch.ops import step_graph
 
+    kept_embed_default = patch_embed_ops.kept_only
     model, x = build(args)
     results = {
         "command": " ".join(sys.argv),
@@ -216,7 +218,9 @@ def main(argv=None) -> int:
     def configure(mode):
         """Patch state for one mode (see ``parse_mode``); returns the callable model."""
         spec = parse_mode(mode)
-        patch_embed_ops.kept_only = "kept_embed" in spec["switches"]
+        patch_embed_ops.kept_only = (
+            True if "kept_embed" in spec["switches"] else False if "full_embed" in spec["switches"] else kept_embed_default
+        )
         step_graph.compile_mode = "max-autotune" if "max_autotune" in spec["switches"] else "reduce-overhead"
         attention_ops.sdpa_backend = spec["sdpa"]
         hiera_autopatch.disable()

@@ -12,6 +12,7 @@ from equivalence import (
     fair_model,
     input_for,
     low_precision_check,
+    low_precision_check_seeds,
     run_pair,
     run_step,
     tied_tokens,
@@ -167,15 +168,12 @@ def test_same_seed_same_masks():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mae_low_precision_bounded(dtype):
-    torch.manual_seed(0)
-    model = fair_model("mae", "base")
-    low_precision_check(model, input_for(model), mae_call(), dtype=dtype, eps=LOW_EPS[dtype])
+    low_precision_check_seeds(lambda: fair_model("mae", "base"), input_for, mae_call(), dtype=dtype, eps=LOW_EPS[dtype])
 
 
 def test_mae_autocast_bounded():
-    torch.manual_seed(0)
-    model = fair_model("mae", "base_plus")
-    low_precision_check(model, input_for(model), mae_call(), autocast_dtype=torch.bfloat16, eps=LOW_EPS[torch.bfloat16])
+    low_precision_check_seeds(lambda: fair_model("mae", "base_plus"), input_for, mae_call(),
+                              autocast_dtype=torch.bfloat16, eps=LOW_EPS[torch.bfloat16])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
