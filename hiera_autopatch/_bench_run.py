@@ -712,8 +712,8 @@ def attention_backends(names: Dict[str, int]) -> List[str]:
             add("efficient")
         elif "_scaled_dot_product_attention_math" in low:
             add("math")
-        elif "triton" in low and ("att" in low or "sdpa" in low):
-            add("triton")
+        elif "window_attention" in low or ("triton" in low and ("att" in low or "sdpa" in low)):
+            add("triton")  # ours: hiera_autopatch::window_attention and its _window_attention_*_kernel
     return found
 
 

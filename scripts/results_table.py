@@ -51,6 +51,13 @@ PROFILE_MODES = {
 }
 
 
+SWITCH_LABELS = {
+    "kept_embed": "patch embedding of the kept tokens only",
+    "full_embed": "FAIR's full patch embedding",
+    "max_autotune": "max-autotune",
+}
+
+
 def profile_label(mode: str) -> str:
     """"graphs-triton~fair.block@flash#2" -> readable words (scripts/profile_step.py's mode syntax)."""
     mode, _, repeat = mode.partition("#")
@@ -66,7 +73,7 @@ def profile_label(mode: str) -> str:
     if pinned:
         label += f", SDPA pinned to {pinned}"
     if switches:
-        label += ", " + ", ".join(switches.split("+"))
+        label += ", " + ", ".join(SWITCH_LABELS.get(name, name) for name in switches.split("+"))
     if repeat:
         label += f" (repeat {repeat})"
     return label

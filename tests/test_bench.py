@@ -308,6 +308,10 @@ def test_attention_backend_names():
         "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": 1,
     }
     assert set(_bench_run.attention_backends(names)) == {"math", "flash", "cudnn", "efficient"}
+    # ours, as the profiler names them inside a CUDA graph (H200 run, h200_bench_graphs.json)
+    ours = {"_window_attention_fwd_kernel": 32, "_window_attention_bwd_dkdv_kernel": 32}
+    assert _bench_run.attention_backends(ours) == ["triton"]
+    assert _bench_run.attention_backends({"hiera_autopatch::window_attention": 8}) == ["triton"]
 
 
 def test_hiera_optim_side_is_skipped_cleanly_when_absent(runs):
@@ -427,4 +431,5 @@ def test_profile_step_modes_parse_and_bad_ones_are_rejected():
             profile_step.parse_mode(bad)
     label = table.profile_label("graphs-triton~fair.block~fair.mae_loss@flash+kept_embed#2")
     assert label == ("patched, HIERA_OPTIM_GRAPHS=1, triton attention everywhere, without fair.block, "
-                     "fair.mae_loss, SDPA pinned to flash, kept_embed (repeat 2)")
+                     "fair.mae_loss, SDPA pinned to flash, patch embedding of the kept tokens only (repeat 2)")
+    assert profile_step.parse_mode("patched+full_embed")["switches"] == ["full_embed"]
