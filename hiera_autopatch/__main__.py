@@ -205,6 +205,7 @@ def collect_status(do_import: bool, extra_imports: List[str]) -> dict:
         "forced_patches": sorted(env_config.forced_patches),
         "attention": env_config.attention,
         "graphs": env_config.graphs,
+        "kept_embed": env_config.kept_embed,
         "imported_by_status": imports,
         "import_errors": import_errors,
         "targets": state["targets"],
@@ -252,6 +253,7 @@ def format_status(report: dict) -> str:
         f"settings: disabled={','.join(report['disabled_patches']) or '-'}"
         f"  forced={','.join(report['forced_patches']) or '-'}"
         f"  attention={report['attention']}  graphs={'on' if report['graphs'] else 'off'}"
+        f"  kept_embed={'on' if report['kept_embed'] else 'off'}"
     )
     lines.append(f"attention kernels: {ATTENTION_RULES.get(report['attention'], '?')}")
     lines.append(f"patch names: {', '.join(report['known_patches'])}")

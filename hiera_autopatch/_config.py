@@ -31,6 +31,10 @@ ENV_VERBOSE = "HIERA_OPTIM_VERBOSE"
 ENV_GRAPHS = "HIERA_OPTIM_GRAPHS"
 """``1``: capture the MAE forward+backward in CUDA graphs (see README). Default: off."""
 
+ENV_KEPT_EMBED = "HIERA_OPTIM_KEPT_EMBED"
+"""MAE patch embedding: on (default) computes it at the tokens the mask keeps only
+(``ops/patch_embed.py``); ``0`` runs FAIR's full-image embedding."""
+
 ENV_ATTENTION = "HIERA_OPTIM_ATTENTION"
 """Attention backend for patched mask-unit attention: ``auto`` (default: per-shape choice between
 PyTorch SDPA and our Triton kernel), ``sdpa`` or ``triton``."""
@@ -56,21 +60,25 @@ class Config:
     verbose: bool = False
     graphs: bool = False
     attention: str = "auto"
+    kept_embed: bool = True
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
 
 
-def parse_switch(name: str, raw: Optional[str], warnings: list) -> Optional[bool]:
-    """A boolean env value: True, False, or None (with a warning appended) for anything else."""
+def parse_switch(name: str, raw: Optional[str], warnings: list, default: bool = False) -> Optional[bool]:
+    """A boolean env value: True, False, ``default`` when unset, or None (with a warning appended,
+    saying the default is used) for anything else."""
     if raw is None:
-        return False
+        return default
     value = raw.strip().lower()
     if value in TRUE_WORDS:
         return True
     if value in FALSE_WORDS:
         return False
-    warnings.append(f"{name}={raw!r} is not understood (use 1/true/on/yes or 0/false/off/no); treating it as off")
+    warnings.append(
+        f"{name}={raw!r} is not understood (use 1/true/on/yes or 0/false/off/no); treating it as {'on' if default else 'off'}"
+    )
     return None
 
 
@@ -114,6 +122,7 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Tuple[Config, list]
         source = "runner" if env.get(ENV_RUNNER) == "1" else "env"
     verbose = parse_switch(ENV_VERBOSE, env.get(ENV_VERBOSE), warnings) or False
     graphs = parse_switch(ENV_GRAPHS, env.get(ENV_GRAPHS), warnings) or False
+    kept_embed = parse_switch(ENV_KEPT_EMBED, env.get(ENV_KEPT_EMBED), warnings, default=True)
     attention = (env.get(ENV_ATTENTION) or "auto").strip().lower()
     if attention not in ATTENTION_CHOICES:
         warnings.append(
@@ -130,5 +139,6 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Tuple[Config, list]
         verbose=verbose,
         graphs=graphs,
         attention=attention,
+        kept_embed=kept_embed is not False,
     )
     return config, warnings

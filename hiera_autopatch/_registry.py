@@ -111,10 +111,11 @@ def apply_to_module(module: types.ModuleType) -> TargetReport:
         report = TargetReport(module=name, implementation=implementation, version=_version_of(name))
         STATE.reports[name] = report
         try:
-            from .ops import attention, step_graph  # the target imported torch already
+            from .ops import attention, patch_embed, step_graph  # the target imported torch already
 
             step_graph.enabled = config.graphs
             attention.backend = config.attention
+            patch_embed.kept_only = config.kept_embed
             patch_module = importlib.import_module(PATCH_MODULES[implementation])
             for patch in patch_module.PATCHES:
                 _apply_one(patch, module, report, config)
@@ -169,10 +170,11 @@ def revert_all() -> int:
         for report in STATE.reports.values():
             report.applied.clear()
         if "hiera_autopatch.ops.attention" in sys.modules:  # back to the defaults for a later enable()
-            from .ops import attention, step_graph
+            from .ops import attention, patch_embed, step_graph
 
             step_graph.enabled = False
             attention.backend = "auto"
+            patch_embed.kept_only = True
         return count
 
 
@@ -249,6 +251,7 @@ def status() -> dict:
             "forced_patches": sorted(config.forced_patches),
             "attention": config.attention,
             "graphs": config.graphs,
+            "kept_embed": config.kept_embed,
             "attention_calls": attention_calls,
             "targets": targets,
         }

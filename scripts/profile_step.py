@@ -53,8 +53,8 @@ def parse_mode(mode: str) -> dict:
     config: fair (FAIR eager), patched (eager), graphs (HIERA_OPTIM_GRAPHS), compile (the user's
     torch.compile of the patched model); -attention: auto/sdpa/triton; ~patch: leave that patch off
     (repeatable: ``~fair.block~fair.mae_loss``; commas separate modes in ``--modes``);
-    @sdpa: pin SDPA to flash/efficient/cudnn; +switch: kept_embed / full_embed (ops.patch_embed.kept_only
-    on / off; neither: the library default),
+    @sdpa: pin SDPA to flash/efficient/cudnn; +switch: kept_embed / full_embed (HIERA_OPTIM_KEPT_EMBED
+    on / off; neither: the environment's),
     max_autotune (compile mode of the graphed step); #n: a repeat, timed again (interleaved A/B).
     """
     rest, _, repeat = mode.partition("#")
@@ -202,10 +202,8 @@ def main(argv=None) -> int:
             parser.error(str(exc))
     import hiera_autopatch
     from hiera_autopatch.ops import attention as attention_ops
-    from hiera_autopatch.ops import patch_embed as patch_embed_ops
     from hiera_autopatch.ops import step_graph
 
-    kept_embed_default = patch_embed_ops.kept_only
     model, x = build(args)
     results = {
         "command": " ".join(sys.argv),
@@ -218,16 +216,15 @@ def main(argv=None) -> int:
     def configure(mode):
         """Patch state for one mode (see ``parse_mode``); returns the callable model."""
         spec = parse_mode(mode)
-        patch_embed_ops.kept_only = (
-            True if "kept_embed" in spec["switches"] else False if "full_embed" in spec["switches"] else kept_embed_default
-        )
         step_graph.compile_mode = "max-autotune" if "max_autotune" in spec["switches"] else "reduce-overhead"
         attention_ops.sdpa_backend = spec["sdpa"]
         hiera_autopatch.disable()
         step_graph.enabled = False
         if spec["config"] != "fair":
+            kept_embed = {"kept_embed": True, "full_embed": False}
             hiera_autopatch.enable(graphs=spec["config"] == "graphs", attention=spec["attention"],
-                                   disabled_patches=spec["disabled"])
+                                   disabled_patches=spec["disabled"],
+                                   **{"kept_embed": kept_embed[name] for name in spec["switches"] if name in kept_embed})
         if spec["config"] == "compile":
             return compiled.setdefault(mode.partition("#")[0], torch.compile(model))
         return model

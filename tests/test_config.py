@@ -29,6 +29,15 @@ def test_bad_switch_value_warns_once_naming_variable_and_value(raw):
     assert f"HIERA_OPTIM={raw!r}" in warnings[0]
 
 
+def test_kept_embed_defaults_on_and_a_bad_value_keeps_the_default():
+    assert _config.from_env({})[0].kept_embed is True
+    assert _config.from_env({"HIERA_OPTIM_KEPT_EMBED": "0"})[0].kept_embed is False
+    assert _config.from_env({"HIERA_OPTIM_KEPT_EMBED": "on"})[0].kept_embed is True
+    config, warnings = _config.from_env({"HIERA_OPTIM_KEPT_EMBED": "maybe"})
+    assert config.kept_embed is True
+    assert len(warnings) == 1 and "HIERA_OPTIM_KEPT_EMBED='maybe'" in warnings[0] and "treating it as on" in warnings[0]
+
+
 def test_enabled_by_env_or_runner():
     assert _config.from_env({"HIERA_OPTIM": "1"})[0].source == "env"
     assert _config.from_env({"HIERA_OPTIM": "1", "HIERA_OPTIM_RUNNER": "1"})[0].source == "runner"
@@ -89,6 +98,7 @@ def test_every_variable_is_a_named_constant():
         "HIERA_OPTIM_VERBOSE",
         "HIERA_OPTIM_GRAPHS",
         "HIERA_OPTIM_ATTENTION",
+        "HIERA_OPTIM_KEPT_EMBED",
         "HIERA_OPTIM_RUNNER",
     }
     assert set(_bootstrap._OFF_WORDS) == set(_config.FALSE_WORDS)

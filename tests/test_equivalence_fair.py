@@ -280,12 +280,12 @@ def test_q_pool_max_ties_send_gradient_to_one_slot_like_fair():
     assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
 
 
-# --- MAE patch embedding of the kept tokens only (ops/patch_embed.py, an experiment switch) -------
+# --- MAE patch embedding of the kept tokens only (ops/patch_embed.py, HIERA_OPTIM_KEPT_EMBED) ------
 
 
 @pytest.fixture
 def kept_embed(monkeypatch):
-    """Turn the kept-token patch embedding on; the list it returns counts the calls that took it."""
+    """The kept-token patch embedding on (the default, pinned here); the list counts the calls that took it."""
     from hiera_autopatch.ops import patch_embed
 
     monkeypatch.setattr(patch_embed, "kept_only", True)
@@ -305,6 +305,24 @@ def test_kept_token_patch_embedding_matches_fair(kept_embed, structure, q_pool, 
     unpatched, patched = run_pair(model, input_for(model), mae_call(mask_ratio))
     assert kept_embed, "the kept-token path did not run"
     assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
+
+
+def test_kept_embed_off_runs_fairs_full_embedding(monkeypatch):
+    """HIERA_OPTIM_KEPT_EMBED=0: the patched MAE step embeds the whole image as FAIR does."""
+    from hiera_autopatch.ops import patch_embed
+
+    monkeypatch.setenv("HIERA_OPTIM_KEPT_EMBED", "0")
+    hiera_autopatch.enable()
+    calls, real = [], patch_embed.embed_tokens
+    monkeypatch.setattr(patch_embed, "embed_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    model = fair_model("mae", "tiny")
+    unpatched, patched = run_pair(model, input_for(model), mae_call())
+    assert calls == [] and patch_embed.kept_only is False
+    assert hiera_autopatch.status()["kept_embed"] is False
+    assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
+    hiera_autopatch.disable()
+    assert patch_embed.kept_only is True  # back to the default for whatever is enabled next
 
 
 def test_kept_token_patch_embedding_with_user_mask_and_intermediates(kept_embed):

@@ -8,8 +8,9 @@ those tokens only, as a gather of their pixel windows and one matrix product wit
 Same math: the masked pixels are zeroed exactly as FAIR zeroes them, so a kept token next to a
 masked unit sees the same zeros in its window.
 
-On by default (``kept_only``): on the H200 it took a CUDA-graphed Hiera-B MAE step from 36.5 to
-33.8 ms (benchmarks/results/h200_profile_kept_embed.json). ``scripts/profile_step.py`` A/Bs it with
+On by default (``kept_only``, which the registry sets from ``HIERA_OPTIM_KEPT_EMBED``): on the
+H200 it took a CUDA-graphed Hiera-B MAE step from 36.5 to 33.8 ms
+(benchmarks/results/h200_profile_kept_embed.json). ``scripts/profile_step.py`` A/Bs it with
 the mode suffixes ``+kept_embed`` / ``+full_embed``; where the convolution is not a plain one
 (``usable``) or FAIR's embedding code differs, FAIR's full embedding runs.
 """
