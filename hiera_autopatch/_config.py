@@ -66,9 +66,9 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
-def parse_switch(name: str, raw: Optional[str], warnings: list, default: bool = False) -> Optional[bool]:
-    """A boolean env value: True, False, ``default`` when unset, or None (with a warning appended,
-    saying the default is used) for anything else."""
+def parse_switch(name: str, raw: Optional[str], warnings: list, default: bool = False) -> bool:
+    """A boolean env value: True or False; ``default`` when unset, and for anything else too, with
+    a warning appended that says so."""
     if raw is None:
         return default
     value = raw.strip().lower()
@@ -79,7 +79,7 @@ def parse_switch(name: str, raw: Optional[str], warnings: list, default: bool = 
     warnings.append(
         f"{name}={raw!r} is not understood (use 1/true/on/yes or 0/false/off/no); treating it as {'on' if default else 'off'}"
     )
-    return None
+    return default
 
 
 def parse_names(raw: Optional[str]) -> Tuple[str, ...]:
@@ -116,12 +116,12 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Tuple[Config, list]
     """Read every variable above. Returns the config and a list of warning lines (not printed)."""
     env = os.environ if environ is None else environ
     warnings: list = []
-    enabled = parse_switch(ENV_ENABLE, env.get(ENV_ENABLE), warnings) or False
+    enabled = parse_switch(ENV_ENABLE, env.get(ENV_ENABLE), warnings)
     source = ""
     if enabled:
         source = "runner" if env.get(ENV_RUNNER) == "1" else "env"
-    verbose = parse_switch(ENV_VERBOSE, env.get(ENV_VERBOSE), warnings) or False
-    graphs = parse_switch(ENV_GRAPHS, env.get(ENV_GRAPHS), warnings) or False
+    verbose = parse_switch(ENV_VERBOSE, env.get(ENV_VERBOSE), warnings)
+    graphs = parse_switch(ENV_GRAPHS, env.get(ENV_GRAPHS), warnings)
     kept_embed = parse_switch(ENV_KEPT_EMBED, env.get(ENV_KEPT_EMBED), warnings, default=True)
     attention = (env.get(ENV_ATTENTION) or "auto").strip().lower()
     if attention not in ATTENTION_CHOICES:
@@ -139,6 +139,6 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Tuple[Config, list]
         verbose=verbose,
         graphs=graphs,
         attention=attention,
-        kept_embed=kept_embed is not False,
+        kept_embed=kept_embed,
     )
     return config, warnings

@@ -80,6 +80,15 @@ def parse_mode(mode: str) -> dict:
     return spec
 
 
+def kept_embed_override(switches) -> dict:
+    """``enable()`` keyword for +kept_embed / +full_embed; neither: the environment's setting."""
+    if "kept_embed" in switches:
+        return {"kept_embed": True}
+    if "full_embed" in switches:
+        return {"kept_embed": False}
+    return {}
+
+
 def build(args):
     import hiera
 
@@ -221,10 +230,8 @@ def main(argv=None) -> int:
         hiera_autopatch.disable()
         step_graph.enabled = False
         if spec["config"] != "fair":
-            kept_embed = {"kept_embed": True, "full_embed": False}
             hiera_autopatch.enable(graphs=spec["config"] == "graphs", attention=spec["attention"],
-                                   disabled_patches=spec["disabled"],
-                                   **{"kept_embed": kept_embed[name] for name in spec["switches"] if name in kept_embed})
+                                   disabled_patches=spec["disabled"], **kept_embed_override(spec["switches"]))
         if spec["config"] == "compile":
             return compiled.setdefault(mode.partition("#")[0], torch.compile(model))
         return model
