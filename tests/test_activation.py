@@ -87,6 +87,11 @@ def check_same(target, a, b, when):
     if not bool((a - b).abs().max() < 1e-5):
         fail(target, f"attention output differs {{when}}")
 
+def check_instance_kept(target, cls_id, layer):
+    cls = resolve(TARGETS[target][0])
+    if id(cls) != cls_id or not isinstance(layer, cls):
+        fail(target, "class identity or isinstance lost")
+
 def import_all():
     for target in TARGETS:
         importlib.import_module(target)
@@ -118,9 +123,7 @@ try:
         hiera_autopatch.enable()
         for target, (cls_id, layer, x, out) in before.items():
             check_patched(target)  # at once: it was imported already
-            cls = resolve(TARGETS[target][0])
-            if id(cls) != cls_id or not isinstance(layer, cls):
-                fail(target, "class identity or isinstance lost")
+            check_instance_kept(target, cls_id, layer)
             check_same(target, out, layer(x), "after enable()")
 
     elif ORDER == "activate_twice":
@@ -165,9 +168,7 @@ try:
         for target, (original, cls_id, layer, x, first) in state.items():
             if check_patched(target) is not original:
                 fail(target, "re-enabled replacement does not wrap the original")
-            cls = resolve(TARGETS[target][0])
-            if id(cls) != cls_id or not isinstance(layer, cls):
-                fail(target, "class identity or isinstance lost")
+            check_instance_kept(target, cls_id, layer)
             check_same(target, first, layer(x), "after re-enable")
 
     elif ORDER == "disable_twice":
