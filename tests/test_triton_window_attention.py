@@ -109,6 +109,12 @@ CPU_CASES = [
     pytest.param(2, 2, 32, 2, 24, 2, {"BLOCK_M": 16, "BLOCK_N": 16}, id="B2-H2-nw2-multiblock"),
     # the MAE decoder's shape with its tuned default blocks (64 keys: four key blocks, partial last)
     pytest.param(1, 1, 196, 2, 32, 1, None, id="decoder-T196-D32-tuned"),
+    # forward and backward tiled differently: multi-block forward, one-pass (single key block)
+    # backward, and the other way round
+    pytest.param(1, 1, 40, 2, 24, 4, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_M_BWD": 16, "BLOCK_N_BWD": 64},
+                 id="fwd-multiblock-bwd-onepass"),
+    pytest.param(1, 3, 16, 1, 24, 1, {"BLOCK_M_BWD": 16, "BLOCK_N_BWD": 16, "num_stages_bwd": 1},
+                 id="fwd-onepass-bwd-multiblock"),
 ]
 
 
@@ -164,6 +170,22 @@ def test_cpu_every_element_written():
     # q slots that lose the max get exactly zero gradient: 3 of the 4 pool slots per (tq, d)
     q_grad = dqkv.view(B, T, nw, 3, H, D)[:, :, :, 0]
     assert (q_grad == 0).float().mean().item() >= 0.74
+
+
+def test_config_backward_keys_follow_the_forward_unless_set(monkeypatch):
+    monkeypatch.setattr(wa, "TUNED", {(196, 1, 32): {"BLOCK_M": 128, "BLOCK_M_BWD": 16}})
+    untuned = wa.full_config(None, 64, 1, 96, 19)
+    assert (untuned["BLOCK_M_BWD"], untuned["BLOCK_N_BWD"]) == (untuned["BLOCK_M"], untuned["BLOCK_N"])
+    assert untuned["num_stages_bwd"] == untuned["num_stages"]
+    tuned = wa.full_config(None, 196, 1, 32, 1)  # a tuned backward key stays; the others follow
+    assert (tuned["BLOCK_M"], tuned["BLOCK_M_BWD"], tuned["BLOCK_N_BWD"]) == (128, 16, tuned["BLOCK_N"])
+    forward_only = wa.full_config({"BLOCK_M": 16, "BLOCK_N": 32}, 196, 1, 32, 1)
+    assert (forward_only["BLOCK_M_BWD"], forward_only["BLOCK_N_BWD"]) == (16, 32)
+    both = wa.full_config({"BLOCK_N": 32, "BLOCK_N_BWD": 256, "num_stages_bwd": 1}, 196, 1, 32, 1)
+    assert (both["BLOCK_N"], both["BLOCK_N_BWD"], both["num_stages_bwd"]) == (32, 256, 1)
+    assert list(untuned) == list(wa._CONFIG_KEYS)
+    with pytest.raises(AssertionError):
+        wa.full_config({"BLOCK_N_BWD": 48}, 64, 1, 96, 19)  # not a power of two
 
 
 @cpu_only
@@ -271,3 +293,28 @@ def test_cpu_mae_through_the_kernel_matches_fair():
     finally:
         hiera_autopatch.disable()
         torch._dynamo.reset()
+
+
+@cpu_only
+def test_cpu_tune_script_times_each_phase_and_checks_it(tmp_path):
+    """scripts/tune_attention.py in the interpreter: forward and backward tuned apart, each trial
+    checked against the reference, the default config among the trials."""
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+    try:
+        tune = importlib.import_module("tune_attention")
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "tune.json"
+    assert tune.main(["--device", "cpu", "--batch", "1", "--shapes", "stage4-global-mae",
+                      "--budget-s", "0", "--json", str(out)]) == 0
+    entry = json.loads(out.read_text())["shapes"]["stage4-global-mae"]
+    assert entry["cut_short"] and entry["default"] == wa.full_config(None, 19, 1, 96, 1)
+    for phase in ("fwd", "bwd"):
+        assert entry[f"{phase}_best"]["config"] == {}  # only the default ran
+        assert entry[f"{phase}_best"]["rel_err"] < 1e-5  # fp32 in the interpreter
+    bwd_keys = {key for t in entry["trials"] if t["phase"] == "bwd" for key in t["config"]}
+    assert bwd_keys <= set(wa.BWD_KEYS) | {"num_warps_bwd"}
+    assert set(tune.candidates(wa, 196, 1, 32, 1, "bwd")[0]) == {"BLOCK_M_BWD", "BLOCK_N_BWD", "num_warps_bwd"}

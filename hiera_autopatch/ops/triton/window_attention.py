@@ -422,10 +422,14 @@ HIERA_B_SHAPES = (
 )
 
 TUNED: Dict[Tuple[int, int, int], Dict[str, int]] = {
-    # (T, S, D) -> blocks that beat the rule below on the H200 (scripts/bench_attention_kernels.py
-    # --sweep, benchmarks/results/h200_attention_sweep.json; fwd+bwd, B=128, bf16)
-    (196, 1, 32): {"BLOCK_M": 64, "BLOCK_N": 64},  # MAE decoder: 0.40 ms vs 0.47 (128-key blocks)
-    (76, 1, 96): {"BLOCK_M": 32},  # Hiera-B MAE stage 3, global: 0.091 ms vs 0.104
+    # (T, S, D) -> configs that beat the rule below on the H200, forward and backward timed apart
+    # (scripts/tune_attention.py, benchmarks/results/h200_tune_attention.json; B=128, bf16)
+    (196, 1, 32): {  # MAE decoder: forward 0.088 ms vs 0.105, backward 0.241 ms vs 0.296
+        "BLOCK_M": 128, "BLOCK_N": 32, "num_stages": 3,
+        "BLOCK_M_BWD": 16, "BLOCK_N_BWD": 256, "num_warps_bwd": 4, "num_stages_bwd": 3},
+    (76, 1, 96): {  # Hiera-B MAE stage 3, global: forward 0.015 ms vs 0.030; backward as before
+        "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8,
+        "BLOCK_M_BWD": 32, "BLOCK_N_BWD": 128, "num_warps_bwd": 8},
 }
 
 
@@ -435,7 +439,8 @@ def default_config(T: int, q_stride: int, D: int, num_windows: int = 1 << 30) ->
     G windows per program so that a group's keys fill a 64-key tile (T=16 -> G=4; never more
     than nw); keys in blocks of at most 128; at least 16 rows/cols (tl.dot's minimum). Warps: 4,
     and 8 for a backward that holds 128x128 k/v/dk/dv tiles; on the H200 sweep this was the best
-    choice for every Hiera-B shape, or within 2% of it. ``TUNED`` overrides blocks per shape.
+    choice for every Hiera-B shape, or within 2% of it. ``TUNED`` overrides blocks per shape
+    (measured at this rule's G).
     """
     Tq = T // q_stride
     G = max(1, min(64 // T, num_windows))
@@ -444,10 +449,10 @@ def default_config(T: int, q_stride: int, D: int, num_windows: int = 1 << 30) ->
               "BLOCK_M": max(16, min(64, _next_pow2(G * Tq))),
               "BLOCK_N": max(16, min(128, _next_pow2(G * T))),
               "num_warps": 4, "num_stages": 2}
-    if G == 1:
-        config.update(TUNED.get((T, q_stride, D), {}))
+    config.update(TUNED.get((T, q_stride, D), {}))
     # backward holds k, v, dk, dv (BLOCK_N x BLOCK_D) and P, dP, dS (BLOCK_M x BLOCK_N) at once
-    config["num_warps_bwd"] = 8 if config["BLOCK_N"] * block_d >= 128 * 128 else 4
+    block_n_bwd = config.get("BLOCK_N_BWD", config["BLOCK_N"])
+    config.setdefault("num_warps_bwd", 8 if block_n_bwd * block_d >= 128 * 128 else 4)
     return config
 
 
@@ -458,15 +463,30 @@ def _dims(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int):
     return B, N, D, T, T // q_stride
 
 
-def _resolve(config: Optional[Dict[str, int]], T: int, q_stride: int, D: int, num_windows: int):
+BWD_KEYS = {"BLOCK_M_BWD": "BLOCK_M", "BLOCK_N_BWD": "BLOCK_N", "num_stages_bwd": "num_stages"}
+"""Backward block sizes and stages; each defaults to its forward value (the lse layout does not
+depend on blocks, so the two passes can tile differently)."""
+
+_CONFIG_KEYS = ("G", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
+                "BLOCK_M_BWD", "BLOCK_N_BWD", "num_warps_bwd", "num_stages_bwd")
+
+
+def full_config(config: Optional[Dict[str, int]], T: int, q_stride: int, D: int,
+                num_windows: int) -> Dict[str, int]:
+    """``default_config`` updated with ``config``, every key of ``_CONFIG_KEYS`` filled in.
+
+    A backward key the caller leaves out follows the forward one, unless ``default_config`` set it
+    and the caller did not touch the forward one either."""
+    explicit = config or {}
     cfg = default_config(T, q_stride, D, num_windows)
-    if config:
-        cfg.update(config)
-    G = int(cfg["G"])
-    BM, BN = int(cfg["BLOCK_M"]), int(cfg["BLOCK_N"])
-    assert BM >= 16 and BN >= 16 and BM & (BM - 1) == 0 and BN & (BN - 1) == 0, cfg
-    return (G, BM, BN, max(16, _next_pow2(D)), int(cfg["num_warps"]), int(cfg["num_warps_bwd"]),
-            int(cfg["num_stages"]))
+    cfg.update(explicit)
+    for bwd_key, fwd_key in BWD_KEYS.items():
+        if bwd_key not in explicit and (fwd_key in explicit or bwd_key not in cfg):
+            cfg[bwd_key] = cfg[fwd_key]
+    for bm, bn in (("BLOCK_M", "BLOCK_N"), ("BLOCK_M_BWD", "BLOCK_N_BWD")):
+        for block in (cfg[bm], cfg[bn]):
+            assert block >= 16 and block & (block - 1) == 0, cfg
+    return {key: int(cfg[key]) for key in _CONFIG_KEYS}
 
 
 def _on_device(t: torch.Tensor):
@@ -488,7 +508,8 @@ def window_attention_forward(
     """qkv (B, N, 3*H*D) -> out (B, Tq*nw, H*D), lse (B, H, nw, Tq) fp32 (base-2 log-sum-exp)."""
     qkv = qkv.contiguous()
     B, N, D, T, Tq = _dims(qkv, num_windows, heads, q_stride)
-    G, BM, BN, BD, num_warps, _, num_stages = _resolve(config, T, q_stride, D, num_windows)
+    cfg = full_config(config, T, q_stride, D, num_windows)
+    G, BM, BN, BD = cfg["G"], cfg["BLOCK_M"], cfg["BLOCK_N"], max(16, _next_pow2(D))
     if out is None:
         out = torch.empty(B, Tq * num_windows, heads * D, device=qkv.device, dtype=qkv.dtype)
     lse = torch.empty(B, heads, num_windows, Tq, device=qkv.device, dtype=torch.float32)
@@ -501,7 +522,8 @@ def window_attention_forward(
             qkv, out, lse,
             num_windows, n_groups, n_q_blocks, sm_scale * _LOG2E,
             H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
-            DOT_PRECISION=_dot_precision(qkv.dtype), num_warps=num_warps, num_stages=num_stages,
+            DOT_PRECISION=_dot_precision(qkv.dtype), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
     return out, lse
 
@@ -517,7 +539,8 @@ def window_attention_backward(
     qkv = qkv.contiguous()
     dout = dout.contiguous()
     B, N, D, T, Tq = _dims(qkv, num_windows, heads, q_stride)
-    G, BM, BN, BD, _, num_warps, num_stages = _resolve(config, T, q_stride, D, num_windows)
+    cfg = full_config(config, T, q_stride, D, num_windows)
+    G, BM, BN, BD = cfg["G"], cfg["BLOCK_M_BWD"], cfg["BLOCK_N_BWD"], max(16, _next_pow2(D))
     if dqkv is None:
         dqkv = torch.empty_like(qkv)
     n_groups = triton.cdiv(num_windows, G)
@@ -526,7 +549,7 @@ def window_attention_backward(
     sm_scale = D ** -0.5
     common = dict(H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
                   POOL_AMAX=pool == "amax", DOT_PRECISION=_dot_precision(qkv.dtype),
-                  num_warps=num_warps, num_stages=num_stages)
+                  num_warps=cfg["num_warps_bwd"], num_stages=cfg["num_stages_bwd"])
     with _on_device(qkv):
         if single_kv:
             delta = lse  # unused (the kernel takes delta from P * dP)
@@ -558,15 +581,11 @@ def window_attention_backward(
 # ------------------------------------------------------------------------------------------------
 
 
-_CONFIG_KEYS = ("G", "BLOCK_M", "BLOCK_N", "num_warps", "num_warps_bwd", "num_stages")
-
-
 def _config_list(config: Optional[Dict[str, int]], qkv: torch.Tensor, num_windows: int, heads: int,
                  q_stride: int) -> List[int]:
     B, N, D, T, Tq = _dims(qkv, num_windows, heads, q_stride)
-    resolved = default_config(T, q_stride, D, num_windows)
-    resolved.update(config or {})
-    return [int(resolved[key]) for key in _CONFIG_KEYS]
+    resolved = full_config(config, T, q_stride, D, num_windows)
+    return [resolved[key] for key in _CONFIG_KEYS]
 
 
 # Custom ops (not an autograd.Function): torch.compile treats them as opaque kernels and CUDA
