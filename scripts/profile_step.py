@@ -43,7 +43,14 @@ def kind_of(name: str) -> str:
 
 
 CONFIGS = ("fair", "patched", "graphs", "compile")
-SWITCHES = ("kept_embed", "full_embed", "max_autotune")
+INDUCTOR_SWITCHES = {
+    # +switch -> Inductor options added to the graphed step's (step_graph.compile_options)
+    "max_autotune": {"max_autotune": True, "coordinate_descent_tuning": True},  # mode="max-autotune"
+    "autotune_gemm": {"max_autotune_gemm": True},  # Triton GEMM templates vs cuBLAS, epilogue fusion
+    "coord_descent": {"coordinate_descent_tuning": True},  # tunes Inductor's own kernels' blocks
+    "no_cudagraphs": {"triton.cudagraphs": False},  # the same graph without CUDA graphs (tracing)
+}
+SWITCHES = ("kept_embed", "full_embed", "tuned_attention", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -55,7 +62,9 @@ def parse_mode(mode: str) -> dict:
     (repeatable: ``~fair.block~fair.mae_loss``; commas separate modes in ``--modes``);
     @sdpa: pin SDPA to flash/efficient/cudnn; +switch: kept_embed / full_embed (HIERA_OPTIM_KEPT_EMBED
     on / off; neither: the environment's),
-    max_autotune (compile mode of the graphed step); #n: a repeat, timed again (interleaved A/B).
+    tuned_attention (our attention's blocks from ``--attention-tuning``, a tune_attention.py JSON),
+    or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
+    again (interleaved A/B).
     """
     rest, _, repeat = mode.partition("#")
     rest, _, switches = rest.partition("+")
@@ -87,6 +96,34 @@ def kept_embed_override(switches) -> dict:
     if "full_embed" in switches:
         return {"kept_embed": False}
     return {}
+
+
+def inductor_options(switches) -> dict:
+    """The graphed step's Inductor options for these +switches: ``step_graph.GRAPHED`` plus each one's."""
+    from hiera_autopatch.ops import step_graph
+
+    options = dict(step_graph.GRAPHED)
+    for name in switches:
+        options.update(INDUCTOR_SWITCHES.get(name, {}))
+    return options
+
+
+def tuned_blocks(path: str) -> dict:
+    """``window_attention.TUNED`` entries from a scripts/tune_attention.py JSON: (T, S, D) -> the
+    forward keys of the fastest forward config and the backward keys of the fastest backward one."""
+    from hiera_autopatch.ops.triton.window_attention import BWD_KEYS
+
+    bwd_keys = set(BWD_KEYS) | {"num_warps_bwd"}
+    with open(path) as fh:
+        shapes = json.load(fh)["shapes"]
+    tuned = {}
+    for entry in shapes.values():
+        if "fwd_best" not in entry or "bwd_best" not in entry:
+            continue
+        config = {k: v for k, v in entry["fwd_best"]["full"].items() if k not in bwd_keys}
+        config.update({k: v for k, v in entry["bwd_best"]["full"].items() if k in bwd_keys})
+        tuned[(entry["T"], entry["S"], entry["D"])] = config
+    return tuned
 
 
 def build(args):
@@ -191,6 +228,30 @@ def kernel_breakdown(fn, steps: int = 3, top: int = 15):
     return result
 
 
+def trace_kernels(fn, pattern: str, top: int = 15):
+    """Which host ops launch the kernels whose name matches ``pattern``: op, its parents, input
+    shapes, and calls per step. Needs a step without CUDA graphs (a replay has no launching op)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    launches = {}
+    for event in prof.events():
+        matching = [k for k in getattr(event, "kernels", []) if re.search(pattern, k.name)]
+        if not matching:
+            continue
+        chain, parent = [], event
+        while parent is not None and len(chain) < 4:
+            chain.append(parent.name[:80])
+            parent = parent.cpu_parent
+        key = " < ".join(chain) + f" {event.input_shapes}"
+        entry = launches.setdefault(key, {"launcher": key, "calls": 0, "kernel_ms": 0.0})
+        entry["calls"] += len(matching)
+        entry["kernel_ms"] += sum(k.duration for k in matching) / 1000
+    return sorted(launches.values(), key=lambda e: -e["kernel_ms"])[:top]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mae_hiera_base_224")
@@ -201,6 +262,10 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-only", default="", help="comma list: profile only these modes")
     parser.add_argument("--cpu-profile", default="", help="comma list of modes to profile on the host too")
     parser.add_argument("--top", type=int, default=15, help="kernels listed by name per mode")
+    parser.add_argument("--trace-kernels", default="",
+                        help="regex: for each profiled mode, the host ops that launch matching kernels "
+                             "(use on a mode without CUDA graphs, e.g. graphs+no_cudagraphs)")
+    parser.add_argument("--attention-tuning", help="tune_attention.py JSON for the +tuned_attention switch")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
@@ -212,7 +277,10 @@ def main(argv=None) -> int:
     import hiera_autopatch
     from hiera_autopatch.ops import attention as attention_ops
     from hiera_autopatch.ops import step_graph
+    from hiera_autopatch.ops.triton import window_attention
 
+    shipped_tuning = dict(window_attention.TUNED)
+    tuning = tuned_blocks(args.attention_tuning) if args.attention_tuning else {}
     model, x = build(args)
     results = {
         "command": " ".join(sys.argv),
@@ -225,7 +293,12 @@ def main(argv=None) -> int:
     def configure(mode):
         """Patch state for one mode (see ``parse_mode``); returns the callable model."""
         spec = parse_mode(mode)
-        step_graph.compile_mode = "max-autotune" if "max_autotune" in spec["switches"] else "reduce-overhead"
+        step_graph.compile_options = inductor_options(spec["switches"])
+        torch._dynamo.reset()  # each mode compiles afresh: no cache entry of another mode's options
+        window_attention.TUNED.clear()
+        window_attention.TUNED.update(shipped_tuning)
+        if "tuned_attention" in spec["switches"]:
+            window_attention.TUNED.update(tuning)
         attention_ops.sdpa_backend = spec["sdpa"]
         hiera_autopatch.disable()
         step_graph.enabled = False
@@ -238,10 +311,18 @@ def main(argv=None) -> int:
 
     compiled = {}
     modes = args.modes.split(",")
+    spec_of = parse_mode
+
+    def save():  # after every mode too: a run cut short by a time limit keeps what it measured
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(results, fh, indent=1)
 
     def profile(mode, runner):
         step(runner, x)
         results["modes"][mode]["kernels"] = kernel_breakdown(lambda: step(runner, x), top=args.top)
+        if args.trace_kernels:
+            results["modes"][mode]["launchers"] = trace_kernels(lambda: step(runner, x), args.trace_kernels)
         if mode in args.cpu_profile.split(","):
             results["modes"][mode]["host_ops"] = cpu_breakdown(lambda: step(runner, x))
 
@@ -264,6 +345,8 @@ def main(argv=None) -> int:
             "samples_per_s": args.batch * 1000 / timing["median"],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "warmup_s": warmup_s,
+            "inductor_options": dict(step_graph.compile_options) if spec_of(mode)["config"] == "graphs" else None,
+            "attention_tuned": {f"T={t} S={s} D={d}": c for (t, s, d), c in window_attention.TUNED.items()},
             "status": hiera_autopatch.status()["targets"].get("hiera.hiera_mae", {}),
         }
         print(f"{mode:10s} {timing['median']:8.2f} ms/step  peak {results['modes'][mode]['peak_gib']:.1f} GiB"
@@ -274,15 +357,15 @@ def main(argv=None) -> int:
             profile(mode, runner)
         else:
             deferred.append(mode)
+        save()
     for mode in deferred:
         profile(mode, configure(mode))
+        save()
     fair_ms = results["modes"].get("fair", {}).get("ms_per_step", {}).get("median")
     if fair_ms:
         for entry in results["modes"].values():
             entry["x_vs_fair_eager"] = fair_ms / entry["ms_per_step"]["median"]
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+    save()
     print(json.dumps({m: (e["ms_per_step"]["median"], e.get("x_vs_fair_eager")) for m, e in results["modes"].items()}))
     return 0
 

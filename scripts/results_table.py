@@ -54,7 +54,11 @@ PROFILE_MODES = {
 SWITCH_LABELS = {
     "kept_embed": "patch embedding of the kept tokens only",
     "full_embed": "FAIR's full patch embedding",
-    "max_autotune": "max-autotune",
+    "tuned_attention": "attention blocks from a tune_attention.py run",
+    "max_autotune": "Inductor max-autotune",
+    "autotune_gemm": "Inductor GEMM autotuning",
+    "coord_descent": "Inductor coordinate-descent tuning",
+    "no_cudagraphs": "without CUDA graphs",
 }
 
 

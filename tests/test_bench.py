@@ -433,3 +433,15 @@ def test_profile_step_modes_parse_and_bad_ones_are_rejected():
     assert label == ("patched, HIERA_OPTIM_GRAPHS=1, triton attention everywhere, without fair.block, "
                      "fair.mae_loss, SDPA pinned to flash, patch embedding of the kept tokens only (repeat 2)")
     assert profile_step.parse_mode("patched+full_embed")["switches"] == ["full_embed"]
+    assert set(profile_step.INDUCTOR_SWITCHES) <= set(table.SWITCH_LABELS)
+
+
+def test_profile_step_inductor_switches_add_to_the_graphed_options():
+    profile_step = _load_script("profile_step")
+    from hiera_autopatch.ops import step_graph
+
+    assert profile_step.inductor_options([]) == step_graph.GRAPHED == {"triton.cudagraphs": True}
+    assert profile_step.inductor_options(["kept_embed", "coord_descent"]) == {
+        "triton.cudagraphs": True, "coordinate_descent_tuning": True}
+    assert profile_step.inductor_options(["no_cudagraphs"]) == {"triton.cudagraphs": False}
+    assert step_graph.compile_options == step_graph.GRAPHED  # the shipped default is reduce-overhead

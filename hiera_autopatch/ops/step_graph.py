@@ -16,11 +16,13 @@ import torch
 enabled = False
 """Set by the registry from ``HIERA_OPTIM_GRAPHS``."""
 
-compile_mode = "reduce-overhead"
-"""torch.compile mode of the graphed step. ``max-autotune`` (CUDA graphs too, plus Inductor's GEMM
-autotuning, which can fuse GELU into a Triton GEMM's epilogue) is an experiment switch: its
-compile takes many minutes and it is not measured yet (``scripts/profile_step.py`` mode suffix
-``+max_autotune``)."""
+GRAPHED = {"triton.cudagraphs": True}
+"""Inductor options of ``mode="reduce-overhead"``: CUDA graphs, nothing else."""
+
+compile_options: Dict[str, object] = dict(GRAPHED)
+"""Inductor options of the graphed step. Experiments (``scripts/profile_step.py`` mode suffixes)
+add tuning to them, e.g. ``coordinate_descent_tuning`` or ``max_autotune_gemm`` (Triton GEMMs that
+can take GELU into their epilogue); the compile then takes minutes longer."""
 
 _compiled: Dict[Callable, Callable] = {}
 _broken: Dict[Callable, str] = {}
@@ -37,7 +39,7 @@ def run(step: Callable, *args):
         return step(*args)
     compiled = _compiled.get(step)
     if compiled is None:
-        compiled = torch.compile(step, mode=compile_mode, fullgraph=True, dynamic=False)
+        compiled = torch.compile(step, options=dict(compile_options), fullgraph=True, dynamic=False)
         _compiled[step] = compiled
     try:
         outputs = compiled(*args)
