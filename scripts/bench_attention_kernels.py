@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from _timing import graph_replay_ms  # noqa: E402  (scripts/, this script's directory)
 from hiera_autopatch.ops.triton.window_attention import HIERA_B_SHAPES as SHAPES  # noqa: E402
 
 VARIANTS = ("fair_5d", "sdpa_4d", "triton", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
@@ -187,28 +188,6 @@ def worker(args):
             e.record()
             torch.cuda.synchronize()
             times.append(s.elapsed_time(e))
-        return sorted(times)[len(times) // 2]
-
-    def graph_replay_ms(fn, replays=20, rounds=5):
-        """GPU time of fn without launch overhead: capture it once, time graph replays."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):  # warm-up (cuDNN plans, Triton compiles) before capture
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        times = []
-        for _ in range(rounds):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / replays)
         return sorted(times)[len(times) // 2]
 
     deadline = float(args.deadline)

@@ -20,6 +20,8 @@ import os
 import sys
 import time
 
+from _timing import graph_replay_ms  # scripts/, this script's directory
+
 
 def _pow2_upto(limit: int, low: int = 16, high: int = 256):
     """16, 32, ... up to the first power of two >= limit (and <= high)."""
@@ -80,31 +82,13 @@ def main(argv=None) -> int:
             with open(args.json, "w") as fh:
                 json.dump(results, fh, indent=1)
 
-    def gpu_ms(fn, replays=20, rounds=5):
-        """GPU time of fn: captured once in a CUDA graph, median over rounds of replays."""
+    def gpu_ms(fn):
+        """GPU time of fn (CUDA-graph replays); in the interpreter, one call's wall time."""
         if dev == "cpu":
             t = time.perf_counter()
             fn()
             return (time.perf_counter() - t) * 1e3
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        times = []
-        for _ in range(rounds):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / replays)
-        return sorted(times)[len(times) // 2]
+        return graph_replay_ms(fn, warmup=2)
 
     for name in [n for n in args.shapes.split(",") if n]:
         _, nw, T, H, D, S = shapes[name]

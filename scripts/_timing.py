@@ -1,0 +1,27 @@
+"""GPU timing shared by the kernel scripts (bench_attention_kernels.py, tune_attention.py)."""
+
+
+def graph_replay_ms(fn, replays: int = 20, rounds: int = 5, warmup: int = 3) -> float:
+    """GPU time of one ``fn()`` without launch overhead: warmed up on a side stream (Triton
+    compiles, cuDNN plans), captured once in a CUDA graph, median over rounds of replays."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    return sorted(times)[len(times) // 2]
