@@ -260,6 +260,9 @@ def format_cell(cell: dict) -> str:
     graph = cell.get("sides", {}).get("patched", {}).get("step_graph")
     if graph and graph.get("enabled"):
         text = f"  CUDA graphs (patched): {graph.get('compiled_steps', 0)} step function(s) compiled"
+        if "captured_graphs" in graph:
+            text += (f", {graph['captured_graphs']} whole-step graph(s) captured, {graph['replays']} replays,"
+                     f" {graph['recomputed_backwards']} backward(s) recomputed")
         if graph.get("failed"):
             text += "; fell back to eager: " + "; ".join(str(f)[:100] for f in graph["failed"])
         lines.append(text)

@@ -241,9 +241,11 @@ def status() -> dict:
                 if report.error:
                     entry["error"] = report.error
             targets[name] = entry
-        attention_calls = {}
+        attention_calls, graph_steps = {}, {}
         if "hiera_autopatch.ops.attention" in sys.modules:
             attention_calls = sys.modules["hiera_autopatch.ops.attention"].describe_choices()
+        if "hiera_autopatch.ops.step_graph" in sys.modules:
+            graph_steps = sys.modules["hiera_autopatch.ops.step_graph"].status()
         return {
             "enabled": config.enabled,
             "enabled_by": config.source,
@@ -253,5 +255,6 @@ def status() -> dict:
             "graphs": config.graphs,
             "kept_embed": config.kept_embed,
             "attention_calls": attention_calls,
+            "graph_steps": graph_steps,
             "targets": targets,
         }

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.modules import module as module_globals
 
 
-def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     try:
         if torch.is_autocast_enabled(device_type):
             return torch.get_autocast_dtype(device_type)
@@ -102,7 +102,7 @@ class GeluMlp(torch.autograd.Function):
 def gelu_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``mlp(x)`` through ``GeluMlp``, for an Mlp that ``plain`` accepted."""
     w1, b1, w2, b2 = mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias
-    cast_to = _autocast_dtype(x.device.type)
+    cast_to = autocast_dtype(x.device.type)
     if cast_to is None:
         return GeluMlp.apply(x, w1, b1, w2, b2)
     # autocast runs Linear in cast_to: cast as it would (differentiably), then run without it

@@ -1,0 +1,214 @@
+"""HIERA_OPTIM_GRAPHS's whole-step path (ops/step_graph.py) on the CPU.
+
+On the CPU there is no CUDA graph: ``StepGraph`` runs its would-be captured body (the compiled
+forward and ``autograd.grad`` of the loss) at every replay, and aot_eager stands in for Inductor.
+That exercises everything around the capture: the autograd Function that hands out the captured
+gradients, their scaling, accumulation into ``.grad``, the input gradient, and every case that must
+recompute instead. Each test compares against unpatched FAIR on the same inputs and RNG state.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import hiera_autopatch
+from equivalence import assert_equivalent, fair_model, input_for, run_step
+
+hiera = pytest.importorskip("hiera")
+
+FP32_OUT, FP32_GRAD = 1e-5, 1e-4
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """Patching on, the graphed step taken on the CPU, with empty caches; yields step_graph."""
+    from hiera_autopatch.ops import step_graph
+
+    real_compile = torch.compile
+    monkeypatch.setattr(step_graph, "wanted", lambda x: True)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, fullgraph=True, backend="aot_eager"))
+    step_graph.reset()
+    torch._dynamo.reset()
+    hiera_autopatch.enable()
+    yield step_graph
+    hiera_autopatch.disable()
+    torch._dynamo.reset()
+
+
+def model_and_input(batch=2):
+    torch.manual_seed(0)
+    model = fair_model("mae", "tiny", stages=(1, 1, 1, 1))
+    return model, input_for(model, batch=batch)
+
+
+def grads_of(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(reference, result, tol=FP32_GRAD):
+    assert reference.keys() == result.keys() and reference
+    for name, ref in reference.items():
+        err = ((result[name] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        assert err <= tol, f"{name}: relative error {err:.3g}"
+
+
+def test_whole_step_matches_fair_and_uses_the_captured_grads(graphs):
+    model, x = model_and_input()
+    graphed = [run_step(model, x, lambda m, x: m(x, mask_ratio=0.6), seed=s) for s in (1, 2)]
+    with hiera_autopatch.disabled():
+        fair = [run_step(model, x, lambda m, x: m(x, mask_ratio=0.6), seed=s) for s in (1, 2)]
+    for reference, result in zip(fair, graphed):
+        assert_equivalent(reference, result, FP32_OUT, FP32_GRAD)  # outputs, input grad, every weight grad
+    status = graphs.status()
+    assert hiera_autopatch.status()["graph_steps"] == status
+    assert status["captured_graphs"] == 1 and status["replays"] == 2
+    assert status["recomputed_backwards"] == 0 and status["failed"] == []
+
+
+def test_scaled_loss_and_accumulation_over_micro_batches(graphs):
+    """(loss * s).backward() twice without zero_grad: what gradient accumulation with a scaler does."""
+    model, x = model_and_input()
+
+    def two_micro_batches():
+        model.zero_grad(set_to_none=True)
+        for seed, scale in ((1, 4.0), (2, 0.3)):
+            torch.manual_seed(seed)
+            (model(x, mask_ratio=0.6)[0] * scale).backward()
+        return grads_of(model)
+
+    graphed = two_micro_batches()
+    with hiera_autopatch.disabled():
+        fair = two_micro_batches()
+    assert_same_grads(fair, graphed)
+    assert graphs.status()["recomputed_backwards"] == 0
+
+
+def test_backward_hands_out_the_replays_gradients_exactly(graphs):
+    """Backward gives each weight the replay's captured gradient times the incoming one, added to
+    what .grad held: exactly, against the same replay's buffers."""
+    model, x = model_and_input()
+    params = list(model.parameters())
+
+    def captured():
+        (graph,) = graphs._graphs[model].values()
+        return graph.scaled_grads(torch.ones(()))
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    (model(x, mask_ratio=0.6)[0] * 0.75).backward()
+    first = captured()
+    scaled = [None if p.grad is None else p.grad.clone() for p in params]
+    torch.manual_seed(2)
+    model(x, mask_ratio=0.6)[0].backward()
+    second = captured()
+    assert sum(g is not None for g in first) == len(grads_of(model)) > 10
+    for p, g, c1, c2 in zip(params, scaled, first, second):
+        assert (g is None) == (c1 is None) == (c2 is None) == (p.grad is None)
+        if g is not None:
+            assert torch.equal(g, c1 * 0.75) and torch.equal(p.grad, g + c2)
+
+
+def test_gradient_through_pred_is_recomputed(graphs):
+    """A loss on the returned pred: the captured gradients are the loss's only, so backward recomputes."""
+    model, x = model_and_input()
+
+    def loss_on_pred():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        loss, pred, label, mask = model(x, mask_ratio=0.6)
+        (loss + pred.float().square().mean()).backward()
+        return grads_of(model)
+
+    graphed = loss_on_pred()
+    with hiera_autopatch.disabled():
+        fair = loss_on_pred()
+    assert_same_grads(fair, graphed)
+    assert graphs.status()["recomputed_backwards"] == 1
+
+
+def test_backward_after_another_replay_is_recomputed(graphs):
+    """Two forwards, then one backward of both: the first step's captured buffers are overwritten."""
+    model, x = model_and_input()
+    x2 = input_for(model, seed=5)
+
+    def two_forwards_one_backward():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(4)
+        first = model(x, mask_ratio=0.6)[0]
+        second = model(x2, mask_ratio=0.6)[0]
+        (first + 2 * second).backward()
+        return grads_of(model)
+
+    graphed = two_forwards_one_backward()
+    with hiera_autopatch.disabled():
+        fair = two_forwards_one_backward()
+    assert_same_grads(fair, graphed)
+    assert graphs.status()["recomputed_backwards"] == 1  # the first; the second's buffers are current
+
+
+def test_no_grad_and_frozen_weights_capture_their_own_graphs(graphs):
+    model, x = model_and_input()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        graphed = model(x, mask_ratio=0.6)
+    assert not graphed[0].requires_grad
+    torch.manual_seed(5)
+    with torch.no_grad(), hiera_autopatch.disabled():
+        fair = model(x, mask_ratio=0.6)
+    for a, b in zip(fair, graphed):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
+
+    frozen = [p for name, p in model.named_parameters() if name.startswith("blocks.0.")]
+    for p in frozen:
+        p.requires_grad_(False)
+    result = run_step(model, x, lambda m, x: m(x, mask_ratio=0.6), seed=6)
+    with hiera_autopatch.disabled():
+        reference = run_step(model, x, lambda m, x: m(x, mask_ratio=0.6), seed=6)
+    assert_equivalent(reference, result, FP32_OUT, FP32_GRAD)
+    assert not any(name.startswith("blocks.0.") for name in result.param_grads)
+    assert graphs.status()["captured_graphs"] == 2  # no-grad, frozen
+
+
+def test_moved_weights_capture_again(graphs):
+    """A graph reads weights at fixed addresses: new weight tensors (.to(), a new Parameter set as an
+    attribute or put straight into ``_parameters``) mean a new capture."""
+    model, x = model_and_input()
+    run_step(model, x, lambda m, x: m(x, mask_ratio=0.6), seed=1)
+    twin = copy.deepcopy(model)
+    model.load_state_dict(twin.state_dict())  # in place: same addresses, no new capture
+    run_step(model, x, lambda m, x: m(x, mask_ratio=0.6), seed=1)
+    assert graphs.status()["captured_graphs"] == 1
+    model.double().float()  # new tensors
+    result = run_step(model, x, lambda m, x: m(x, mask_ratio=0.6), seed=1)
+    with hiera_autopatch.disabled():
+        reference = run_step(model, x, lambda m, x: m(x, mask_ratio=0.6), seed=1)
+    assert_equivalent(reference, result, FP32_OUT, FP32_GRAD)
+    assert graphs.status()["captured_graphs"] == 2
+    fc1 = model.blocks[0].mlp.fc1
+    fc1.weight = torch.nn.Parameter(fc1.weight.detach() * 1.5)  # a new Parameter object, registered
+    result = run_step(model, x, lambda m, x: m(x, mask_ratio=0.6), seed=1)
+    with hiera_autopatch.disabled():
+        reference = run_step(model, x, lambda m, x: m(x, mask_ratio=0.6), seed=1)
+    assert_equivalent(reference, result, FP32_OUT, FP32_GRAD)
+    assert graphs.status()["captured_graphs"] == 3
+    fc1._parameters["bias"] = torch.nn.Parameter(fc1.bias.detach() + 0.5)  # no registration hook runs
+    result = run_step(model, x, lambda m, x: m(x, mask_ratio=0.6), seed=1)
+    with hiera_autopatch.disabled():
+        reference = run_step(model, x, lambda m, x: m(x, mask_ratio=0.6), seed=1)
+    assert_equivalent(reference, result, FP32_OUT, FP32_GRAD)
+    assert graphs.status()["captured_graphs"] == 4
+
+
+def test_fp16_steps_take_the_two_graph_path():
+    """fp16 gradients need the loss scale from the start of backward: no captured backward for them."""
+    from hiera_autopatch.ops import step_graph
+
+    model, x = model_and_input()
+    assert not step_graph._needs_loss_scale(model, x)
+    assert step_graph._needs_loss_scale(model, x.half())
+    assert step_graph._needs_loss_scale(copy.deepcopy(model).half(), x)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert step_graph._needs_loss_scale(model, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not step_graph._needs_loss_scale(model, x)
