@@ -48,9 +48,10 @@ INDUCTOR_SWITCHES = {
     "max_autotune": {"max_autotune": True, "coordinate_descent_tuning": True},  # mode="max-autotune"
     "autotune_gemm": {"max_autotune_gemm": True},  # Triton GEMM templates vs cuBLAS, epilogue fusion
     "coord_descent": {"coordinate_descent_tuning": True},  # tunes Inductor's own kernels' blocks
-    "no_cudagraphs": {"triton.cudagraphs": False},  # the same graph without CUDA graphs (tracing)
+    "no_pdl": {"triton.enable_pdl": False},  # without programmatic dependent launch (on by default)
+    "mix_split64": {"triton.mix_order_reduction_split_size": 64},  # fewer LayerNorm-grad partial rows
 }
-SWITCHES = ("kept_embed", "full_embed", "tuned_attention", *INDUCTOR_SWITCHES)
+SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "two_graphs", "no_capture", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -63,6 +64,8 @@ def parse_mode(mode: str) -> dict:
     @sdpa: pin SDPA to flash/efficient/cudnn; +switch: kept_embed / full_embed (HIERA_OPTIM_KEPT_EMBED
     on / off; neither: the environment's),
     tuned_attention (our attention's blocks from ``--attention-tuning``, a tune_attention.py JSON),
+    two_graphs (the graphed step as forward and backward graphs of reduce-overhead, not one),
+    no_capture (the whole step compiled but not captured: its kernels can be traced to host ops),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
     """
@@ -99,10 +102,8 @@ def kept_embed_override(switches) -> dict:
 
 
 def inductor_options(switches) -> dict:
-    """The graphed step's Inductor options for these +switches: ``step_graph.GRAPHED`` plus each one's."""
-    from hiera_autopatch.ops import step_graph
-
-    options = dict(step_graph.GRAPHED)
+    """The graphed step's Inductor options for these +switches, over ``step_graph.default_options()``."""
+    options = {}
     for name in switches:
         options.update(INDUCTOR_SWITCHES.get(name, {}))
     return options
@@ -264,7 +265,7 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=15, help="kernels listed by name per mode")
     parser.add_argument("--trace-kernels", default="",
                         help="regex: for each profiled mode, the host ops that launch matching kernels "
-                             "(use on a mode without CUDA graphs, e.g. graphs+no_cudagraphs)")
+                             "(use on a mode without CUDA graphs, e.g. compile)")
     parser.add_argument("--attention-tuning", help="tune_attention.py JSON for the +tuned_attention switch")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -294,7 +295,10 @@ def main(argv=None) -> int:
         """Patch state for one mode (see ``parse_mode``); returns the callable model."""
         spec = parse_mode(mode)
         step_graph.compile_options = inductor_options(spec["switches"])
+        step_graph.whole_step = "two_graphs" not in spec["switches"]
+        step_graph.capture = "no_capture" not in spec["switches"]
         torch._dynamo.reset()  # each mode compiles afresh: no cache entry of another mode's options
+        step_graph.reset()  # and captures afresh
         window_attention.TUNED.clear()
         window_attention.TUNED.update(shipped_tuning)
         if "tuned_attention" in spec["switches"]:
@@ -346,6 +350,7 @@ def main(argv=None) -> int:
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             "warmup_s": warmup_s,
             "inductor_options": dict(step_graph.compile_options) if spec_of(mode)["config"] == "graphs" else None,
+            "step_graph": step_graph.status() if spec_of(mode)["config"] == "graphs" else None,
             "attention_tuned": {f"T={t} S={s} D={d}": c for (t, s, d), c in window_attention.TUNED.items()},
             "status": hiera_autopatch.status()["targets"].get("hiera.hiera_mae", {}),
         }

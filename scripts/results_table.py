@@ -58,7 +58,12 @@ SWITCH_LABELS = {
     "max_autotune": "Inductor max-autotune",
     "autotune_gemm": "Inductor GEMM autotuning",
     "coord_descent": "Inductor coordinate-descent tuning",
+    "pdl": "Inductor programmatic dependent launch",
+    "no_pdl": "without programmatic dependent launch",
+    "mix_split64": "LayerNorm-grad partial sums over 64 rows",
     "no_cudagraphs": "without CUDA graphs",
+    "two_graphs": "forward and backward as two graphs (reduce-overhead)",
+    "no_capture": "compiled whole step, not captured",
 }
 
 

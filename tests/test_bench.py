@@ -440,8 +440,8 @@ def test_profile_step_inductor_switches_add_to_the_graphed_options():
     profile_step = _load_script("profile_step")
     from hiera_autopatch.ops import step_graph
 
-    assert profile_step.inductor_options([]) == step_graph.GRAPHED == {"triton.cudagraphs": True}
-    assert profile_step.inductor_options(["kept_embed", "coord_descent"]) == {
-        "triton.cudagraphs": True, "coordinate_descent_tuning": True}
-    assert profile_step.inductor_options(["no_cudagraphs"]) == {"triton.cudagraphs": False}
-    assert step_graph.compile_options == step_graph.GRAPHED  # the shipped default is reduce-overhead
+    assert profile_step.inductor_options([]) == step_graph.compile_options == {}  # shipped: default_options()
+    assert profile_step.inductor_options(["no_pdl"]) == {"triton.enable_pdl": False}
+    assert profile_step.inductor_options(["kept_embed", "two_graphs", "coord_descent"]) == {
+        "coordinate_descent_tuning": True}
+    assert step_graph.whole_step  # the shipped default: forward and backward in one graph
