@@ -102,11 +102,10 @@ def _warn_once(key: str, message: str) -> None:
         print(f"hiera_autopatch: {message}", file=sys.stderr)
 
 
-def _needs_loss_scale(module: torch.nn.Module, x: torch.Tensor) -> bool:
+def _needs_loss_scale(x: torch.Tensor, params: Sequence[torch.Tensor]) -> bool:
     """fp16 anywhere in the step: its gradients underflow unless backward starts from the loss scale."""
-    param = next(module.parameters(), None)
     half = torch.float16
-    return x.dtype == half or autocast_dtype(x.device.type) == half or (param is not None and param.dtype == half)
+    return x.dtype == half or autocast_dtype(x.device.type) == half or any(p.dtype == half for p in params[:1])
 
 
 _registrations = 0  # parameters, buffers and submodules registered on any module, once watched
@@ -157,10 +156,9 @@ def _tensors_of(module: torch.nn.Module) -> Tuple[List[torch.Tensor], List[torch
     return cached[3], cached[4]
 
 
-def _signature(module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, n_keep: int) -> tuple:
+def _signature(module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, n_keep: int, params, buffers) -> tuple:
     """Everything a captured graph depends on: shapes, modes, and where every weight lives."""
-    params, buffers = _tensors_of(module)
-    weights = tuple((p.data_ptr(), p.requires_grad) for p in params)
+    weights = tuple((id(p), p.data_ptr(), p.requires_grad) for p in params)  # backward hands grads to these
     buffers = tuple(b.data_ptr() for b in buffers)
     return (tuple(x.shape), x.dtype, x.device, x.requires_grad, tuple(mask.shape), mask.dtype, n_keep,
             module.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
@@ -173,10 +171,11 @@ def run(step: Callable, module: torch.nn.Module, x: torch.Tensor, mask: torch.Te
     if step in _broken:
         return step(module, x, mask, n_keep)
     try:
-        if not whole_step or _needs_loss_scale(module, x):
+        params, buffers = _tensors_of(module)
+        if not whole_step or _needs_loss_scale(x, params):
             outputs = _compile(step, reduce_overhead=True)(module, x, mask, n_keep)
             return tuple(out.clone() if isinstance(out, torch.Tensor) else out for out in outputs)
-        graph = _graph_for(step, module, x, mask, n_keep)
+        graph = _graph_for(step, module, x, mask, n_keep, params, buffers)
         if graph is None:
             return step(module, x, mask, n_keep)
     except Exception as exc:  # keep the user's run going: eager is slower, never wrong
@@ -189,16 +188,16 @@ def run(step: Callable, module: torch.nn.Module, x: torch.Tensor, mask: torch.Te
     return WholeStep.apply(graph, x, mask, *graph.weights)
 
 
-def _graph_for(step, module, x, mask, n_keep) -> Optional["StepGraph"]:
+def _graph_for(step, module, x, mask, n_keep, params, buffers) -> Optional["StepGraph"]:
     graphs = _graphs.setdefault(module, {})
-    key = _signature(module, x, mask, n_keep)
+    key = _signature(module, x, mask, n_keep, params, buffers)
     graph = graphs.get(key)
     if graph is None:
         if len(graphs) >= MAX_GRAPHS_PER_MODEL:
             _warn_once(f"full {id(module)}", f"{len(graphs)} CUDA graphs captured for this model already "
                        f"(batch size or mode keeps changing); running new signatures eagerly")
             return None
-        graph = graphs[key] = StepGraph(step, module, x, mask, n_keep)
+        graph = graphs[key] = StepGraph(step, module, x, mask, n_keep, params)
     return graph
 
 
@@ -206,9 +205,9 @@ class StepGraph:
     """One captured ``step`` (forward, plus the loss's backward when grad is on) for one signature."""
 
     def __init__(self, step: Callable, module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor,
-                 n_keep: int):
+                 n_keep: int, params: Sequence[torch.Tensor]):
         self.step, self.module, self.n_keep = step, module, n_keep
-        self.weights: List[torch.Tensor] = [p for p in _tensors_of(module)[0] if p.requires_grad]
+        self.weights: List[torch.Tensor] = [p for p in params if p.requires_grad]
         self.input_grad = x.requires_grad and torch.is_grad_enabled()
         self.with_grad = torch.is_grad_enabled() and bool(self.weights or self.input_grad)
         self.static_x = x.detach().clone().requires_grad_(self.input_grad)
