@@ -51,7 +51,7 @@ INDUCTOR_SWITCHES = {
     "no_pdl": {"triton.enable_pdl": False},  # without programmatic dependent launch (on by default)
     "mix_split64": {"triton.mix_order_reduction_split_size": 64},  # fewer LayerNorm-grad partial rows
 }
-SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "two_graphs", "no_capture", *INDUCTOR_SWITCHES)
+SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -64,7 +64,7 @@ def parse_mode(mode: str) -> dict:
     @sdpa: pin SDPA to flash/efficient/cudnn; +switch: kept_embed / full_embed (HIERA_OPTIM_KEPT_EMBED
     on / off; neither: the environment's),
     tuned_attention (our attention's blocks from ``--attention-tuning``, a tune_attention.py JSON),
-    two_graphs (the graphed step as forward and backward graphs of reduce-overhead, not one),
+    one_graph (the graphed step's backward captured into its forward's graph, not a graph of its own),
     no_capture (the whole step compiled but not captured: its kernels can be traced to host ops),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
@@ -295,7 +295,7 @@ def main(argv=None) -> int:
         """Patch state for one mode (see ``parse_mode``); returns the callable model."""
         spec = parse_mode(mode)
         step_graph.compile_options = inductor_options(spec["switches"])
-        step_graph.whole_step = "two_graphs" not in spec["switches"]
+        step_graph.backward_graph = "one_graph" not in spec["switches"]
         step_graph.capture = "no_capture" not in spec["switches"]
         torch._dynamo.reset()  # each mode compiles afresh: no cache entry of another mode's options
         step_graph.reset()  # and captures afresh

@@ -63,6 +63,7 @@ SWITCH_LABELS = {
     "mix_split64": "LayerNorm-grad partial sums over 64 rows",
     "no_cudagraphs": "without CUDA graphs",
     "two_graphs": "forward and backward as two graphs (reduce-overhead)",
+    "one_graph": "forward and backward in one graph",
     "no_capture": "compiled whole step, not captured",
 }
 

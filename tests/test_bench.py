@@ -442,6 +442,6 @@ def test_profile_step_inductor_switches_add_to_the_graphed_options():
 
     assert profile_step.inductor_options([]) == step_graph.compile_options == {}  # shipped: default_options()
     assert profile_step.inductor_options(["no_pdl"]) == {"triton.enable_pdl": False}
-    assert profile_step.inductor_options(["kept_embed", "two_graphs", "coord_descent"]) == {
+    assert profile_step.inductor_options(["kept_embed", "one_graph", "coord_descent"]) == {
         "coordinate_descent_tuning": True}
-    assert step_graph.whole_step  # the shipped default: forward and backward in one graph
+    assert step_graph.backward_graph  # the shipped default: the backward a graph of its own

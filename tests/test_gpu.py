@@ -135,18 +135,23 @@ def test_graphs_mode_matches_eager_patched():
 
 
 
-def test_whole_step_graph_hands_out_its_gradients_exactly_and_recomputes():
-    """HIERA_OPTIM_GRAPHS replays forward+backward as one graph. After a replay, backward gives each
-    weight the captured gradient times the loss's incoming gradient (4: exactly), added to what
-    ``.grad`` held (a second micro-batch: exactly); a loss on the returned pred is not in the
-    captured backward, so it is recomputed, bf16-close to eager. Exactness is checked against the
-    same replay's buffers: the position-embedding gradient is summed with atomics, so two replays
-    of one input may differ in a last bit."""
+@pytest.mark.parametrize("backward_graph", [True, False], ids=["backward_graph", "one_graph"])
+def test_graphed_step_hands_out_its_gradients_exactly_and_recomputes(monkeypatch, backward_graph):
+    """HIERA_OPTIM_GRAPHS replays the step as CUDA graphs. Backward gives each weight the replay's
+    gradient, added to what ``.grad`` held (a second micro-batch: exactly). With a backward graph
+    (the default) that gradient is computed from the incoming one (4); with one graph it was
+    computed from 1 and backward scales it (exactly: 4 is a power of two). A loss on the returned
+    pred is not in the captured backward, so it is recomputed, bf16-close to eager. Exactness is
+    checked against the same replay's buffers: the position-embedding gradient is summed with
+    atomics, so two replays of one input may differ in a last bit."""
+    monkeypatch.setattr(step_graph, "backward_graph", backward_graph)
+    step_graph.reset()
     torch.manual_seed(0)
     model = hiera.mae_hiera_base_224().cuda().to(torch.bfloat16)
     x, x2 = images(8).to(torch.bfloat16), images(8, seed=1).to(torch.bfloat16)
     params = list(model.parameters())
     on_pred = lambda out: out[0] + out[1].float().square().mean()
+    scale = 1 if backward_graph else 4
 
     def backward(seed, inputs, make_loss):
         torch.manual_seed(seed)
@@ -159,7 +164,8 @@ def test_whole_step_graph_hands_out_its_gradients_exactly_and_recomputes():
 
     def captured():  # the latest replay's gradients, one per weight (all require grad here)
         (graph,) = step_graph._graphs[model].values()
-        return graph.scaled_grads(torch.ones((), device="cuda", dtype=torch.bfloat16))
+        assert graph.split == backward_graph
+        return graph._hand_out(graph.flat_grads)
 
     model.zero_grad(set_to_none=True)
     scaled = backward(1, x, lambda out: out[0] * 4)
@@ -171,10 +177,40 @@ def test_whole_step_graph_hands_out_its_gradients_exactly_and_recomputes():
     for g4, c1, g12, c2 in zip(scaled, first, summed, second):
         assert (g4 is None) == (c1 is None) == (g12 is None) == (c2 is None)
         if c1 is not None:
-            assert torch.equal(g4, c1 * 4) and torch.equal(g12, g4 + c2)
+            assert torch.equal(g4, c1 * scale) and torch.equal(g12, g4 + c2)
     model.zero_grad(set_to_none=True)
     graphed_pred = backward(3, x, on_pred)
     assert step_graph.status()["recomputed_backwards"] == 1
     errors = [((a.float() - b.float()).norm() / a.float().norm().clamp_min(1e-12)).item()
               for a, b in zip(eager_pred, graphed_pred) if a is not None]
     assert len(errors) == sum(g is not None for g in graphed_pred) and sorted(errors)[len(errors) // 2] < 2e-2
+
+
+def test_graphed_fp16_autocast_step_with_a_loss_scale_matches_eager():
+    """fp16 autocast, loss times 1024 (a GradScaler's scale): the backward graph starts from it, as
+    eager's backward does; same masks, loss and gradients within fp16 noise over steps."""
+    step_graph.reset()
+    torch.manual_seed(0)
+    model = hiera.mae_hiera_tiny_224().cuda()
+    twin = copy.deepcopy(model)
+    x = images(32)
+
+    def scaled_step(m, seed):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss, pred, label, mask = m(x, mask_ratio=0.6)
+        (loss * 1024).backward()
+        return loss.item(), mask, {n: p.grad / 1024 for n, p in m.named_parameters() if p.grad is not None}
+
+    eager = [scaled_step(model, s) for s in range(2)]
+    step_graph.enabled = True
+    graphed = [scaled_step(twin, s) for s in range(2)]
+    (graph,) = step_graph._graphs[twin].values()
+    assert graph.split and graph.backward_graph is not None and step_graph.status()["recomputed_backwards"] == 0
+    for (e_loss, e_mask, e_grads), (g_loss, g_mask, g_grads) in zip(eager, graphed):
+        assert torch.equal(e_mask, g_mask)
+        assert abs(e_loss - g_loss) <= 1e-2 * abs(e_loss)
+        assert e_grads.keys() == g_grads.keys()
+        errors = [((e_grads[n] - g_grads[n]).norm() / e_grads[n].norm().clamp_min(1e-12)).item() for n in e_grads]
+        assert sorted(errors)[len(errors) // 2] < 1e-2, max(errors)

@@ -1,10 +1,12 @@
 """HIERA_OPTIM_GRAPHS's whole-step path (ops/step_graph.py) on the CPU.
 
-On the CPU there is no CUDA graph: ``StepGraph`` runs its would-be captured body (the compiled
-forward and ``autograd.grad`` of the loss) at every replay, and aot_eager stands in for Inductor.
-That exercises everything around the capture: the autograd Function that hands out the captured
-gradients, their scaling, accumulation into ``.grad``, the input gradient, and every case that must
-recompute instead. Each test compares against unpatched FAIR on the same inputs and RNG state.
+On the CPU there is no CUDA graph: ``StepGraph`` runs its would-be captured bodies (the compiled
+forward, and ``autograd.grad`` of the loss) where the graphs would be replayed, and aot_eager stands
+in for Inductor. That exercises everything around the capture: the autograd Function that hands out
+the captured gradients, the loss scale, accumulation into ``.grad``, the input gradient, and every
+case that must recompute instead, with the backward as its own graph (the default) and inside the
+forward's (``backward_graph = False``). Each test compares against unpatched FAIR on the same
+inputs and RNG state.
 """
 
 import copy
@@ -13,20 +15,22 @@ import pytest
 import torch
 
 import hiera_autopatch
-from equivalence import assert_equivalent, fair_model, input_for, run_step
+from equivalence import assert_equivalent, fair_model, input_for, low_precision_check, run_step
 
 hiera = pytest.importorskip("hiera")
 
 FP32_OUT, FP32_GRAD = 1e-5, 1e-4
+FP16_EPS = 0.01  # as tests/test_equivalence_fair.py's LOW_EPS (see equivalence.assert_bounded)
 
 
-@pytest.fixture
-def graphs(monkeypatch):
+@pytest.fixture(params=[True, False], ids=["backward_graph", "one_graph"])
+def graphs(monkeypatch, request):
     """Patching on, the graphed step taken on the CPU, with empty caches; yields step_graph."""
     from hiera_autopatch.ops import step_graph
 
     real_compile = torch.compile
     monkeypatch.setattr(step_graph, "wanted", lambda x: True)
+    monkeypatch.setattr(step_graph, "backward_graph", request.param)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, fullgraph=True, backend="aot_eager"))
     step_graph.reset()
     torch._dynamo.reset()
@@ -66,7 +70,7 @@ def test_whole_step_matches_fair_and_uses_the_captured_grads(graphs):
         assert_equivalent(reference, result, FP32_OUT, FP32_GRAD)  # outputs, input grad, every weight grad
     status = graphs.status()
     assert hiera_autopatch.status()["graph_steps"] == status
-    assert status["captured_graphs"] == 1 and status["replays"] == 2
+    assert status["captured_graphs"] == 1 and status["replays"] == (4 if graphs.backward_graph else 2)
     assert status["recomputed_backwards"] == 0 and status["failed"] == []
 
 
@@ -86,14 +90,16 @@ def test_scaled_loss_and_accumulation_over_micro_batches(graphs):
 
 
 def test_backward_hands_out_the_replays_gradients_exactly(graphs):
-    """Backward gives each weight the replay's captured gradient times the incoming one, added to
-    what .grad held: exactly, against the same replay's buffers."""
+    """Backward gives each weight the replay's gradient, added to what .grad held: exactly, against
+    the same replay's buffers. A backward graph computed it from the incoming gradient; one graph
+    computed it from 1.0, and backward scales it by the incoming gradient."""
     model, x = model_and_input()
     params = list(model.parameters())
+    scale = 1.0 if graphs.backward_graph else 0.75
 
     def captured():
         (graph,) = graphs._graphs[model].values()
-        return graph.scaled_grads(torch.ones(()))
+        return graph._hand_out(graph.flat_grads)
 
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
@@ -107,7 +113,7 @@ def test_backward_hands_out_the_replays_gradients_exactly(graphs):
     for p, g, c1, c2 in zip(params, scaled, first, second):
         assert (g is None) == (c1 is None) == (c2 is None) == (p.grad is None)
         if g is not None:
-            assert torch.equal(g, c1 * 0.75) and torch.equal(p.grad, g + c2)
+            assert torch.equal(g, c1 * scale) and torch.equal(p.grad, g + c2)
 
 
 def test_gradient_through_pred_is_recomputed(graphs):
@@ -195,16 +201,20 @@ def test_moved_weights_capture_again(graphs):
     assert graphs.status()["captured_graphs"] == 4
 
 
-def test_fp16_steps_take_the_two_graph_path():
-    """fp16 gradients need the loss scale from the start of backward: no captured backward for them."""
-    from hiera_autopatch.ops import step_graph
-
+def test_fp16_steps_keep_a_backward_graph_of_their_own(graphs):
+    """fp16 gradients need the loss scale from the start of backward: even with
+    ``backward_graph = False`` their backward is a graph of its own, replayed from the incoming
+    gradient. Bounded against fp32 as tightly as unpatched fp16 autocast."""
     model, x = model_and_input()
+    low_precision_check(model, x, lambda m, x: m(x, mask_ratio=0.6), autocast_dtype=torch.float16,
+                        eps=FP16_EPS, model_bound=False)
+    (captured,) = [graph for per_model in graphs._graphs.values() for graph in per_model.values()]
+    assert captured.split and captured.autocast == torch.float16
+    assert graphs.status()["recomputed_backwards"] == 0
+
     params = list(model.parameters())
-    assert not step_graph._needs_loss_scale(x, params)
-    assert step_graph._needs_loss_scale(x.half(), params)
-    assert step_graph._needs_loss_scale(x, list(copy.deepcopy(model).half().parameters()))
-    with torch.autocast("cpu", dtype=torch.float16):
-        assert step_graph._needs_loss_scale(x, params)
+    assert not graphs._needs_loss_scale(x, params)
+    assert graphs._needs_loss_scale(x.half(), params)
+    assert graphs._needs_loss_scale(x, list(copy.deepcopy(model).half().parameters()))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not step_graph._needs_loss_scale(x, params)
+        assert not graphs._needs_loss_scale(x, params)

@@ -1,31 +1,35 @@
-"""Zero-edit CUDA graphs: the static MAE step, forward and backward, replayed as one CUDA graph.
+"""Zero-edit CUDA graphs: the static MAE step, forward and backward, replayed as CUDA graphs.
 
 Off unless ``HIERA_OPTIM_GRAPHS=1``. The random mask is drawn eagerly before the graph (the same RNG
 use as FAIR's), so seeded runs see the same masks with and without graphs.
 
-How a training step runs (``whole_step``, the default):
+How a training step runs:
 
 1. The step after the mask (encoder, decoder, loss) is compiled by Inductor, without CUDA graphs of
-   its own. For each model and input signature, its forward *and* ``torch.autograd.grad`` of the
-   loss with respect to every parameter that requires grad (and the input, if it does) are captured
-   together in one ``torch.cuda.CUDAGraph``, after two warm-up runs on a side stream.
-2. A call copies the input and mask into the graph's static buffers and replays it: the whole step
-   is one launch. Returned tensors are cloned out of the graph's memory, so keeping them is safe.
-3. The user's ``loss.backward()`` reaches ``WholeStep.backward``, which hands every parameter its
-   captured gradient times the loss's incoming gradient. Backward is linear in that gradient: a
-   plain ``loss.backward()`` (1.0) or a GradScaler's power-of-two scale gives the same bits as a
-   backward run then would; a ``loss / n`` of gradient accumulation, the same to rounding. The
-   gradients reach ``.grad`` through autograd's own accumulation, so hooks (DDP's too) still fire.
+   its own. For each model and input signature, its forward is captured in one
+   ``torch.cuda.CUDAGraph`` and ``torch.autograd.grad`` of the loss (with respect to every
+   parameter that requires grad, and the input if it does) in a second one, after two warm-up runs
+   on a side stream.
+2. A call copies the input and mask into the forward graph's static buffers and replays it: the
+   forward is one launch. Returned tensors are cloned out of the graph's memory, so keeping them is
+   safe.
+3. The user's ``loss.backward()`` reaches ``WholeStep.backward``, which copies the loss's incoming
+   gradient into the backward graph's static buffer and replays it: the gradients are the bits a
+   backward of the compiled step would give, for any loss scale (``loss / n``, a GradScaler's).
+   They reach ``.grad`` through autograd's own accumulation, so hooks (DDP's too) still fire. Only
+   the forward graph's launch is exposed to a step that syncs: the backward graph is launched while
+   the GPU still runs the forward.
 
-Where the captured gradients cannot stand in, backward recomputes the step eagerly and runs autograd
+Where the captured backward cannot stand in, backward recomputes the step eagerly and runs autograd
 on it (correct, slower; ``status()["recomputed_backwards"]`` counts it): a gradient arriving
 through a returned tensor other than the loss (e.g. a loss on ``pred``), a double backward, or a
 backward after another graphed step was replayed (its buffers are overwritten).
 
-fp16 steps (fp16 parameters, inputs or autocast) run the forward and backward as two graphs through
-``torch.compile(mode="reduce-overhead")`` instead: their gradients depend on the loss scale, which
-is only known in backward. Without grad (``torch.no_grad``, eval), only the forward is captured.
-If compiling or capturing fails, we warn once and run eagerly from then on.
+``backward_graph = False`` captures the backward into the forward's graph instead (one launch per
+step; backward then scales the captured gradients by the incoming one), for A/Bs; fp16 steps never
+take it, since their gradients depend on the loss scale from the first op of backward. Without grad
+(``torch.no_grad``, eval), only the forward is captured. If compiling or capturing fails, we warn
+once and run eagerly from then on.
 """
 
 from __future__ import annotations
@@ -41,10 +45,11 @@ from .mlp import autocast_dtype
 enabled = False
 """Set by the registry from ``HIERA_OPTIM_GRAPHS``."""
 
-whole_step = True
-"""True: forward and backward in one CUDA graph (above). False: two graphs per step through
-``torch.compile(mode="reduce-overhead")``, as fp16 steps always run (``scripts/profile_step.py``'s
-``+two_graphs`` switch, for A/Bs)."""
+backward_graph = True
+"""True: the loss's backward is a graph of its own, replayed from inside ``loss.backward()``
+(above). False: it is captured into the forward's graph, and backward scales its gradients by the
+incoming one (``scripts/profile_step.py``'s ``+one_graph`` switch, for A/Bs; fp16 steps keep a
+graph of their own)."""
 
 capture = True
 """False: run the compiled whole step (forward + autograd.grad) at every call without capturing it,
@@ -73,7 +78,7 @@ MAX_GRAPHS_PER_MODEL = 8
 """Captured signatures (batch sizes, grad modes...) per model; past it, further signatures run
 eagerly (one warning), so a shape that changes every step cannot keep capturing."""
 
-_compiled: Dict[Tuple[Callable, bool], Callable] = {}  # (step, reduce-overhead?) -> compiled step
+_compiled: Dict[Callable, Callable] = {}  # step -> compiled step
 _broken: Dict[Callable, str] = {}
 _graphs: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[tuple, StepGraph]]" = weakref.WeakKeyDictionary()
 _pool = None  # one memory pool for every captured step (replays never overlap: see _generation)
@@ -87,12 +92,11 @@ def wanted(x: torch.Tensor) -> bool:
     return enabled and x.is_cuda and not torch.compiler.is_compiling()
 
 
-def _compile(step: Callable, reduce_overhead: bool) -> Callable:
-    compiled = _compiled.get((step, reduce_overhead))
+def _compile(step: Callable) -> Callable:
+    compiled = _compiled.get(step)
     if compiled is None:
-        options = {**default_options(), **compile_options, **({"triton.cudagraphs": True} if reduce_overhead else {})}
-        compiled = torch.compile(step, options=options, fullgraph=True, dynamic=False)
-        _compiled[(step, reduce_overhead)] = compiled
+        options = {**default_options(), **compile_options}
+        compiled = _compiled[step] = torch.compile(step, options=options, fullgraph=True, dynamic=False)
     return compiled
 
 
@@ -172,9 +176,6 @@ def run(step: Callable, module: torch.nn.Module, x: torch.Tensor, mask: torch.Te
         return step(module, x, mask, n_keep)
     try:
         params, buffers = _tensors_of(module)
-        if not whole_step or _needs_loss_scale(x, params):
-            outputs = _compile(step, reduce_overhead=True)(module, x, mask, n_keep)
-            return tuple(out.clone() if isinstance(out, torch.Tensor) else out for out in outputs)
         graph = _graph_for(step, module, x, mask, n_keep, params, buffers)
         if graph is None:
             return step(module, x, mask, n_keep)
@@ -202,7 +203,8 @@ def _graph_for(step, module, x, mask, n_keep, params, buffers) -> Optional["Step
 
 
 class StepGraph:
-    """One captured ``step`` (forward, plus the loss's backward when grad is on) for one signature."""
+    """One captured ``step`` for one signature: a forward graph, and the loss's backward as a second
+    graph (``split``) or inside the forward's (see ``backward_graph``)."""
 
     def __init__(self, step: Callable, module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor,
                  n_keep: int, params: Sequence[torch.Tensor]):
@@ -210,73 +212,118 @@ class StepGraph:
         self.weights: List[torch.Tensor] = [p for p in params if p.requires_grad]
         self.input_grad = x.requires_grad and torch.is_grad_enabled()
         self.with_grad = torch.is_grad_enabled() and bool(self.weights or self.input_grad)
+        self.split = self.with_grad and (backward_graph or _needs_loss_scale(x, params))
         self.static_x = x.detach().clone().requires_grad_(self.input_grad)
         self.static_mask = mask.detach().clone()
-        self.compiled = _compile(step, reduce_overhead=False)
-        self.graph = self._capture() if x.is_cuda and capture else None  # else: the body runs per call
+        self.static_d_loss: Optional[torch.Tensor] = None  # the loss's incoming gradient
+        self.autocast = autocast_dtype(x.device.type)  # part of the signature: fixed per graph
+        self.compiled = _compile(step)
+        self.forward_graph: Optional[torch.cuda.CUDAGraph] = None  # None: the bodies run per call
+        self.backward_graph: Optional[torch.cuda.CUDAGraph] = None
+        if x.is_cuda and capture:
+            self._capture()
 
-    def _run_body(self):
-        """The captured work: the compiled forward, then autograd.grad of the loss."""
+    def _forward_body(self):
+        """The compiled forward; the loss keeps its autograd graph for ``_backward_body``."""
         outputs = self.compiled(self.module, self.static_x, self.static_mask, self.n_keep)
-        grads: Sequence[Optional[torch.Tensor]] = ()
-        if self.with_grad:
-            targets = self.weights + ([self.static_x] if self.input_grad else [])
-            grads = torch.autograd.grad(outputs[0], targets, allow_unused=True)
+        self.loss = outputs[0]
         self.outputs = [out.detach() for out in outputs]
         self.differentiable = [out.requires_grad for out in outputs]
+        if self.with_grad and self.static_d_loss is None:  # first warm-up: outside any capture
+            self.static_d_loss = torch.ones_like(self.loss)
+
+    def _backward_body(self):
+        """autograd.grad of the loss from ``static_d_loss``, into one flat buffer per dtype."""
+        targets = self.weights + ([self.static_x] if self.input_grad else [])
+        with torch.autocast(self.static_x.device.type, enabled=False):  # backward keeps forward's dtypes
+            grads = torch.autograd.grad(self.loss, targets, self.static_d_loss, allow_unused=True)
+        self.loss = None  # its graph is spent
         self.flat_grads, self.grad_slots = _flatten(grads)
 
-    def _capture(self) -> "torch.cuda.CUDAGraph":
+    def _run_forward(self):
+        self._forward_body()
+        if self.with_grad and not self.split:
+            self._backward_body()
+
+    def _capture(self) -> None:
         global _pool
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
-                self._run_body()
+                self._forward_body()
+                if self.with_grad:
+                    self._backward_body()
         torch.cuda.current_stream().wait_stream(side)
         if _pool is None:
             _pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=_pool):
-            self._run_body()
-        return graph
+        # both graphs share the pool: what the forward saves for backward stays allocated between them
+        self.forward_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward_graph, pool=_pool):
+            self._run_forward()
+        if self.split:
+            self.backward_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.backward_graph, pool=_pool):
+                self._backward_body()
 
     def replay(self, x: torch.Tensor, mask: torch.Tensor) -> None:
-        global _generation
+        """The forward (and, unless split, the backward) for this x and mask."""
         with torch.no_grad():
             self.static_x.copy_(x)
             self.static_mask.copy_(mask)
-        if self.graph is None:
+        if self.forward_graph is None:
             with torch.set_grad_enabled(self.with_grad):  # not captured: the body, run now
-                self._run_body()
+                self._run_forward()
         else:
-            self.graph.replay()
-        _generation += 1
-        _counts["replays"] += 1
+            self.forward_graph.replay()
+        _replayed()
+
+    def replay_backward(self, d_loss: torch.Tensor) -> List[Optional[torch.Tensor]]:
+        """Split graphs: the backward from ``d_loss``; its gradients, copied out of the graph's memory."""
+        with torch.no_grad():
+            self.static_d_loss.copy_(d_loss)
+        if self.backward_graph is None:
+            with torch.enable_grad():
+                self._backward_body()
+        else:
+            self.backward_graph.replay()
+        _replayed()
+        return self._hand_out({dtype: flat.clone() for dtype, flat in self.flat_grads.items()})
 
     def scaled_grads(self, d_loss: torch.Tensor) -> List[Optional[torch.Tensor]]:
-        """The captured gradients times ``d_loss``: one multiply per dtype into a new flat buffer
-        (the next replay overwrites ours), handed out as views of it."""
-        scaled = {dtype: flat * d_loss.to(dtype) for dtype, flat in self.flat_grads.items()}
-        return [None if slot is None else scaled[slot[0]][slot[1]:slot[1] + slot[2].numel()].view(slot[2])
+        """One graph: the captured gradients times ``d_loss``, one multiply per dtype into a new flat
+        buffer (the next replay overwrites ours)."""
+        return self._hand_out({dtype: flat * d_loss.to(dtype) for dtype, flat in self.flat_grads.items()})
+
+    def _hand_out(self, flat: Dict[torch.dtype, torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        """Per gradient, a view of its dtype's flat buffer (None where the graph had none)."""
+        return [None if slot is None else flat[slot[0]][slot[1]:slot[1] + slot[2].numel()].view(slot[2])
                 for slot in self.grad_slots]
 
     def recompute_grads(self, x: torch.Tensor, mask: torch.Tensor, grad_outputs) -> List[Optional[torch.Tensor]]:
         """Gradients of the step by eager autograd, for what the captured ones cannot answer."""
         _counts["recomputed_backwards"] += 1
+        device = x.device.type
         with torch.enable_grad():
-            outputs = self.step(self.module, x, mask, self.n_keep)
+            with torch.autocast(device, dtype=self.autocast, enabled=self.autocast is not None):
+                outputs = self.step(self.module, x, mask, self.n_keep)  # as the forward ran
             pairs = [(out, g) for out, g in zip(outputs, grad_outputs) if g is not None]
             targets = self.weights + ([x] if self.input_grad else [])
             return list(torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
                                             allow_unused=True, create_graph=torch.is_grad_enabled()))
 
 
+def _replayed() -> None:
+    global _generation
+    _generation += 1
+    _counts["replays"] += 1
+
+
 def _flatten(grads: Sequence[Optional[torch.Tensor]]):
     """Gradients -> ({dtype: one flat buffer}, per gradient (dtype, offset, shape) or None).
 
-    Inside the graph this is one copy; it lets backward scale every gradient with one kernel per
-    dtype instead of one per weight (~400 launches for Hiera-B MAE)."""
+    Inside the graph this is one copy; it lets backward copy (or scale) every gradient out of the
+    graph's memory with one kernel per dtype instead of one per weight (~400 launches for Hiera-B MAE)."""
     groups: Dict[torch.dtype, List[torch.Tensor]] = {}
     slots: List[Optional[tuple]] = []
     offsets: Dict[torch.dtype, int] = {}
@@ -292,7 +339,8 @@ def _flatten(grads: Sequence[Optional[torch.Tensor]]):
 
 
 class WholeStep(torch.autograd.Function):
-    """Replays a ``StepGraph``; backward hands out its captured gradients (see the module docstring).
+    """Replays a ``StepGraph``; backward replays its backward (or scales its captured gradients), see
+    the module docstring.
 
     Inputs: the graph, x, the mask, then the weights that get gradients (``graph.weights``)."""
 
@@ -317,7 +365,7 @@ class WholeStep(torch.autograd.Function):
             and not torch.is_grad_enabled()  # create_graph=True needs a differentiable backward
         )
         if captured_answers:
-            grads = graph.scaled_grads(d_loss)
+            grads = graph.replay_backward(d_loss) if graph.split else graph.scaled_grads(d_loss)
         else:
             grads = graph.recompute_grads(ctx.x, ctx.mask, (d_loss, *d_others))
         weight_grads = grads[: len(graph.weights)]
@@ -335,5 +383,5 @@ def reset() -> None:
 
 def status() -> dict:
     captured = sum(len(graphs) for graphs in _graphs.values())
-    return {"enabled": enabled, "whole_step": whole_step, "compiled_steps": len(_compiled),
+    return {"enabled": enabled, "backward_graph": backward_graph, "compiled_steps": len(_compiled),
             "captured_graphs": captured, **_counts, "failed": list(_broken.values())}
