@@ -214,3 +214,27 @@ def test_graphed_fp16_autocast_step_with_a_loss_scale_matches_eager():
         assert e_grads.keys() == g_grads.keys()
         errors = [((e_grads[n] - g_grads[n]).norm() / e_grads[n].norm().clamp_min(1e-12)).item() for n in e_grads]
         assert sorted(errors)[len(errors) // 2] < 1e-2, max(errors)
+
+
+def test_failed_capture_runs_eagerly_and_leaves_the_rng_usable():
+    """A capture that fails inside ``capture_begin`` (here the way a reused pool handle failed:
+    its graphs gone, the allocator asserts) leaves CUDA's generator marked as capturing, so the next
+    eager ``torch.rand`` would raise. We clear that mark, warn, and run the step eagerly: same loss
+    and gradients as eager, and the next mask draws."""
+    step_graph.reset()
+    torch.manual_seed(0)
+    model = hiera.mae_hiera_tiny_224().cuda()
+    x = images(4)
+    eager = run_step(model, x, mae_call, seed=1)
+    retired = torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=retired):
+        kept = torch.ones(4, device="cuda") * 2  # outlives the graph, as a graph's buffers can
+    del graph  # the pool's last graph: its handle is dead, its memory not yet free
+    step_graph.enabled = True
+    step_graph._pools[model] = retired
+    fallback = run_step(model, x, mae_call, seed=1)
+    assert step_graph.status()["failed"] and step_graph.status()["captured_graphs"] == 0
+    torch.rand(8, device="cuda")  # raised "Offset increment outside graph capture" before the fix
+    assert_equivalent(eager, fallback, 1e-5, 1e-4)
+    del kept

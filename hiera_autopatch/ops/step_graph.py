@@ -35,6 +35,7 @@ once and run eagerly from then on.
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -81,7 +82,10 @@ eagerly (one warning), so a shape that changes every step cannot keep capturing.
 _compiled: Dict[Callable, Callable] = {}  # step -> compiled step
 _broken: Dict[Callable, str] = {}
 _graphs: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[tuple, StepGraph]]" = weakref.WeakKeyDictionary()
-_pool = None  # one memory pool for every captured step (replays never overlap: see _generation)
+# One memory pool per model, for all its captured steps (their replays never overlap: see
+# _generation). A pool handle is never reused once the graphs that held it are gone: capturing into
+# it then fails inside torch (an allocator assert), after the CUDA generator was marked as capturing.
+_pools: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 _generation = 0  # bumped by every replay: a graph's buffers are valid until the next replay
 _counts = {"replays": 0, "recomputed_backwards": 0}
 _warned: set = set()
@@ -180,6 +184,7 @@ def run(step: Callable, module: torch.nn.Module, x: torch.Tensor, mask: torch.Te
         if graph is None:
             return step(module, x, mask, n_keep)
     except Exception as exc:  # keep the user's run going: eager is slower, never wrong
+        _pools.pop(module, None)
         _broken[step] = repr(exc)
         _warn_once(f"broken {id(step)}", f"CUDA graphs off for this model ({exc!r}); running eagerly")
         return step(module, x, mask, n_keep)
@@ -246,7 +251,6 @@ class StepGraph:
             self._backward_body()
 
     def _capture(self) -> None:
-        global _pool
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -255,16 +259,21 @@ class StepGraph:
                 if self.with_grad:
                     self._backward_body()
         torch.cuda.current_stream().wait_stream(side)
-        if _pool is None:
-            _pool = torch.cuda.graph_pool_handle()
+        pool = _pools.get(self.module)
+        if pool is None:
+            pool = _pools[self.module] = torch.cuda.graph_pool_handle()
         # both graphs share the pool: what the forward saves for backward stays allocated between them
-        self.forward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.forward_graph, pool=_pool):
-            self._run_forward()
-        if self.split:
-            self.backward_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.backward_graph, pool=_pool):
-                self._backward_body()
+        try:
+            self.forward_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.forward_graph, pool=pool):
+                self._run_forward()
+            if self.split:
+                self.backward_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.backward_graph, pool=pool):
+                    self._backward_body()
+        except Exception:
+            _end_generator_capture()
+            raise
 
     def replay(self, x: torch.Tensor, mask: torch.Tensor) -> None:
         """The forward (and, unless split, the backward) for this x and mask."""
@@ -311,6 +320,19 @@ class StepGraph:
             targets = self.weights + ([x] if self.input_grad else [])
             return list(torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
                                             allow_unused=True, create_graph=torch.is_grad_enabled()))
+
+
+def _end_generator_capture() -> None:
+    """A capture that fails inside ``capture_begin`` leaves the CUDA generators marked as capturing:
+    their next eager use (FAIR's ``torch.rand`` of the next mask) would raise "Offset increment
+    outside graph capture encountered unexpectedly". The end of an empty capture clears the mark."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "the CUDA graph is empty"
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                pass
+    except Exception:  # nothing more we can do; the original error is what gets reported
+        pass
 
 
 def _replayed() -> None:
@@ -378,6 +400,7 @@ def reset() -> None:
     _compiled.clear()
     _broken.clear()
     _graphs.clear()
+    _pools.clear()
     _counts.update(replays=0, recomputed_backwards=0)
 
 
