@@ -219,8 +219,9 @@ def test_graphed_fp16_autocast_step_with_a_loss_scale_matches_eager():
 def test_failed_capture_runs_eagerly_and_leaves_the_rng_usable():
     """A capture that fails inside ``capture_begin`` (here the way a reused pool handle failed:
     its graphs gone, the allocator asserts) leaves CUDA's generator marked as capturing, so the next
-    eager ``torch.rand`` would raise. We clear that mark, warn, and run the step eagerly: same loss
-    and gradients as eager, and the next mask draws."""
+    eager ``torch.rand`` would raise, and the capture's side stream current. We clear the mark,
+    restore the stream, warn, and run the step eagerly: same loss and gradients as eager, and the
+    next mask draws."""
     step_graph.reset()
     torch.manual_seed(0)
     model = hiera.mae_hiera_tiny_224().cuda()
@@ -236,5 +237,6 @@ def test_failed_capture_runs_eagerly_and_leaves_the_rng_usable():
     fallback = run_step(model, x, mae_call, seed=1)
     assert step_graph.status()["failed"] and step_graph.status()["captured_graphs"] == 0
     torch.rand(8, device="cuda")  # raised "Offset increment outside graph capture" before the fix
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()  # not the capture's side stream
     assert_equivalent(eager, fallback, 1e-5, 1e-4)
     del kept

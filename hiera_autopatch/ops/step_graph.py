@@ -263,6 +263,7 @@ class StepGraph:
         if pool is None:
             pool = _pools[self.module] = torch.cuda.graph_pool_handle()
         # both graphs share the pool: what the forward saves for backward stays allocated between them
+        stream = torch.cuda.current_stream()
         try:
             self.forward_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.forward_graph, pool=pool):
@@ -272,6 +273,7 @@ class StepGraph:
                 with torch.cuda.graph(self.backward_graph, pool=pool):
                     self._backward_body()
         except Exception:
+            torch.cuda.set_stream(stream)  # a capture that fails half-way leaves its side stream current
             _end_generator_capture()
             raise
 
