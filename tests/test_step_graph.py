@@ -20,6 +20,7 @@ from equivalence import assert_equivalent, fair_model, input_for, low_precision_
 hiera = pytest.importorskip("hiera")
 
 FP32_OUT, FP32_GRAD = 1e-5, 1e-4
+USER_COMPILE = torch.compile  # the real one: the fixture puts an aot_eager stand-in for Inductor in its place
 FP16_EPS = 0.01  # as tests/test_equivalence_fair.py's LOW_EPS (see equivalence.assert_bounded)
 
 
@@ -28,13 +29,12 @@ def graphs(monkeypatch, request):
     """Patching on, the graphed step taken on the CPU, with empty caches; yields step_graph."""
     from hiera_autopatch.ops import step_graph
 
-    real_compile = torch.compile
-    monkeypatch.setattr(step_graph, "wanted", lambda x: True)
+    monkeypatch.setattr(step_graph, "_graph_device", lambda x: True)
     monkeypatch.setattr(step_graph, "backward_graph", request.param)
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, fullgraph=True, backend="aot_eager"))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: USER_COMPILE(fn, fullgraph=True, backend="aot_eager"))
     step_graph.reset()
     torch._dynamo.reset()
-    hiera_autopatch.enable()
+    hiera_autopatch.enable(graphs=True)  # as HIERA_OPTIM_GRAPHS=1
     yield step_graph
     hiera_autopatch.disable()
     torch._dynamo.reset()
@@ -218,3 +218,24 @@ def test_fp16_steps_keep_a_backward_graph_of_their_own(graphs):
     assert graphs._needs_loss_scale(x, list(copy.deepcopy(model).half().parameters()))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not graphs._needs_loss_scale(x, params)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph_break", "fullgraph"])
+def test_the_users_torch_compile_keeps_the_graphed_step(graphs, fullgraph):
+    """Under the user's torch.compile the graphed step is a graph break, replayed when their
+    compiled code runs; with fullgraph=True (where a break is an error) it is traced into their
+    graph instead. Either way: FAIR's outputs and gradients."""
+    model, x = model_and_input()
+    users = USER_COMPILE(model, backend="aot_eager", fullgraph=fullgraph)
+    results = [run_step(users, x, lambda m, x: m(x, mask_ratio=0.6), seed=s) for s in (1, 2)]
+    for result in results:  # the compiled wrapper names the weights "_orig_mod.<name>"
+        names = list(result.param_grads)
+        result.param_grads.update({name.removeprefix("_orig_mod."): result.param_grads.pop(name) for name in names})
+    with hiera_autopatch.disabled():
+        fair = [run_step(model, x, lambda m, x: m(x, mask_ratio=0.6), seed=s) for s in (1, 2)]
+    for reference, result in zip(fair, results):
+        assert_equivalent(reference, result, FP32_OUT, FP32_GRAD)
+    status = graphs.status()
+    assert status["failed"] == [] and status["recomputed_backwards"] == 0
+    replays = 4 if graphs.backward_graph else 2  # forward and backward per step, or one graph
+    assert status["replays"] == (0 if fullgraph else replays) and status["captured_graphs"] == (0 if fullgraph else 1)

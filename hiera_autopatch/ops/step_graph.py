@@ -92,8 +92,29 @@ _warned: set = set()
 
 
 def wanted(x: torch.Tensor) -> bool:
-    """Graphs for this call: enabled, on CUDA, and not already inside the user's torch.compile."""
-    return enabled and x.is_cuda and not torch.compiler.is_compiling()
+    """Graphs for this call: enabled and on CUDA. Inside the user's torch.compile too, since ``run``
+    is opaque to dynamo (a graph break; the step is replayed when the compiled code runs), unless
+    their compile must not break (``fullgraph=True``): then the step is traced into their graph."""
+    if not (enabled and _graph_device(x)):
+        return False
+    return not (torch.compiler.is_compiling() and _compiling_without_breaks())
+
+
+def _graph_device(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+@torch.compiler.assume_constant_result  # dynamo calls it while tracing and keeps the answer
+def _compiling_without_breaks() -> bool:
+    """While dynamo traces the user's code: whether a graph break would be an error for them
+    (``fullgraph=True``, or ``error_on_graph_break``). Unknown (another torch): assume it would."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        return bool(tx.one_graph or getattr(tx, "error_on_graph_break", False))
+    except Exception:
+        return True
 
 
 def _compile(step: Callable) -> Callable:
@@ -173,6 +194,7 @@ def _signature(module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, n_k
             autocast_dtype(x.device.type), weights, buffers)
 
 
+@torch.compiler.disable  # under the user's torch.compile: a graph break, this runs as it would eagerly
 def run(step: Callable, module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, n_keep: int):
     """``step(module, x, mask, n_keep)`` (a tuple of tensors, the loss first) through CUDA graphs;
     eager if they cannot be built."""
