@@ -53,9 +53,9 @@ incoming one (``scripts/profile_step.py``'s ``+one_graph`` switch, for A/Bs; fp1
 graph of their own)."""
 
 capture = True
-"""False: run the compiled whole step (forward + autograd.grad) at every call without capturing it,
-as on the CPU: its kernels then show which host op launched them (``scripts/profile_step.py``'s
-``+no_capture`` switch)."""
+"""False: run the compiled step (its forward at the call, autograd.grad at backward) without
+capturing it, as on the CPU: its kernels then show which host op launched them
+(``scripts/profile_step.py``'s ``+no_capture`` switch)."""
 
 compile_options: Dict[str, object] = {}
 """Inductor options of the compiled step, over ``default_options()``. Experiments
