@@ -261,7 +261,7 @@ def format_cell(cell: dict) -> str:
     if graph and graph.get("enabled"):
         text = f"  CUDA graphs (patched): {graph.get('compiled_steps', 0)} step function(s) compiled"
         if "captured_graphs" in graph:
-            text += (f", {graph['captured_graphs']} whole-step graph(s) captured, {graph['replays']} replays,"
+            text += (f", {graph['captured_graphs']} step signature(s) captured, {graph['replays']} replays,"
                      f" {graph['recomputed_backwards']} backward(s) recomputed")
         if graph.get("failed"):
             text += "; fell back to eager: " + "; ".join(str(f)[:100] for f in graph["failed"])
