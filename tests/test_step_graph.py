@@ -131,6 +131,33 @@ def test_gradient_through_pred_is_recomputed(graphs):
     assert graphs.status()["recomputed_backwards"] == 1
 
 
+def test_recomputed_backward_runs_under_the_forwards_autocast(graphs):
+    """The forward ran under bf16 autocast, the backward (as usual) outside it: the recompute must
+    run the step under the forward's autocast, so its gradients are those of the same step run
+    eagerly (patched, no graphs), not of an fp32 one (off by ~14% on this model's bf16 step)."""
+    model, x = model_and_input()
+
+    def loss_on_pred():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, pred, label, mask = model(x, mask_ratio=0.6)
+        (loss + pred.float().square().mean()).backward()
+        return grads_of(model)
+
+    recomputed = loss_on_pred()
+    assert graphs.status()["recomputed_backwards"] == 1
+    graphs.enabled = False
+    try:
+        eager = loss_on_pred()
+    finally:
+        graphs.enabled = True
+    assert eager.keys() == recomputed.keys() and eager
+    for name, ref in eager.items():
+        err = ((recomputed[name].double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+        assert err <= FP32_GRAD, f"{name}: relative error {err:.3g}"
+
+
 def test_backward_after_another_replay_is_recomputed(graphs):
     """Two forwards, then one backward of both: the first step's captured buffers are overwritten."""
     model, x = model_and_input()
