@@ -235,9 +235,8 @@ def test_fp16_steps_keep_a_backward_graph_of_their_own(graphs):
     model, x = model_and_input()
     low_precision_check(model, x, lambda m, x: m(x, mask_ratio=0.6), autocast_dtype=torch.float16,
                         eps=FP16_EPS, model_bound=False)
-    (captured,) = [graph for per_model in graphs._graphs.values() for graph in per_model.values()]
-    assert captured.split and captured.autocast == torch.float16
-    assert graphs.status()["recomputed_backwards"] == 0
+    status = graphs.status()  # (the graphed copy is gone by now, its graphs with it)
+    assert status["replays"] == 2 and status["recomputed_backwards"] == 0  # a forward and a backward graph
 
     params = list(model.parameters())
     assert not graphs._needs_loss_scale(x, params)
@@ -266,3 +265,24 @@ def test_the_users_torch_compile_keeps_the_graphed_step(graphs, fullgraph):
     assert status["failed"] == [] and status["recomputed_backwards"] == 0
     replays = 4 if graphs.backward_graph else 2  # forward and backward per step, or one graph
     assert status["replays"] == (0 if fullgraph else replays) and status["captured_graphs"] == (0 if fullgraph else 1)
+
+
+def test_a_dropped_model_is_freed_with_its_graphs(graphs):
+    """Graphs are kept per model, weakly: dropping the model frees it and its graphs (and their
+    memory pool). A backward still pending when the model is dropped completes, recompute included."""
+    import gc
+    import weakref
+
+    model, x = model_and_input()
+    loss, pred, label, mask = model(x, mask_ratio=0.6)
+    alive = weakref.ref(model)
+    weights = [p for p in model.parameters()]
+    del model
+    gc.collect()
+    assert alive() is not None  # the pending step holds it
+    (loss + pred.float().square().mean()).backward()  # a loss on pred: recomputed
+    assert graphs.status()["recomputed_backwards"] == 1 and all(p.grad is not None for p in weights)
+    del loss, pred, label, mask
+    gc.collect()
+    assert alive() is None
+    assert graphs.status()["captured_graphs"] == 0 and len(graphs._pools) == 0

@@ -235,7 +235,10 @@ class StepGraph:
 
     def __init__(self, step: Callable, module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor,
                  n_keep: int, params: Sequence[torch.Tensor]):
-        self.step, self.module, self.n_keep = step, module, n_keep
+        self.step, self.n_keep = step, n_keep
+        # weakly: _graphs and _pools are keyed by the model, so a strong reference here would keep
+        # every graphed model (and its graphs' memory) alive for the life of the process
+        self._module = weakref.ref(module)
         self.weights: List[torch.Tensor] = [p for p in params if p.requires_grad]
         self.input_grad = x.requires_grad and torch.is_grad_enabled()
         self.with_grad = torch.is_grad_enabled() and bool(self.weights or self.input_grad)
@@ -249,6 +252,10 @@ class StepGraph:
         self.backward_graph: Optional[torch.cuda.CUDAGraph] = None
         if x.is_cuda and capture:
             self._capture()
+
+    @property
+    def module(self) -> Optional[torch.nn.Module]:
+        return self._module()
 
     def _forward_body(self):
         """The compiled forward; the loss keeps its autograd graph for ``_backward_body``."""
@@ -333,13 +340,14 @@ class StepGraph:
         return [None if slot is None else flat[slot[0]][slot[1]:slot[1] + slot[2].numel()].view(slot[2])
                 for slot in self.grad_slots]
 
-    def recompute_grads(self, x: torch.Tensor, mask: torch.Tensor, grad_outputs) -> List[Optional[torch.Tensor]]:
+    def recompute_grads(self, module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor,
+                        grad_outputs) -> List[Optional[torch.Tensor]]:
         """Gradients of the step by eager autograd, for what the captured ones cannot answer."""
         _counts["recomputed_backwards"] += 1
         device = x.device.type
         with torch.enable_grad():
             with torch.autocast(device, dtype=self.autocast, enabled=self.autocast is not None):
-                outputs = self.step(self.module, x, mask, self.n_keep)  # as the forward ran
+                outputs = self.step(module, x, mask, self.n_keep)  # as the forward ran
             pairs = [(out, g) for out, g in zip(outputs, grad_outputs) if g is not None]
             targets = self.weights + ([x] if self.input_grad else [])
             return list(torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
@@ -395,6 +403,7 @@ class WholeStep(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         graph.replay(x, mask)
         ctx.graph, ctx.generation, ctx.x, ctx.mask = graph, _generation, x, mask
+        ctx.module = graph.module  # alive until this step's backward, even if the user drops the model
         outputs = tuple(out.clone() for out in graph.outputs)
         constants = [out for out, differentiable in zip(outputs, graph.differentiable) if not differentiable]
         if constants:
@@ -413,7 +422,7 @@ class WholeStep(torch.autograd.Function):
         if captured_answers:
             grads = graph.replay_backward(d_loss) if graph.split else graph.scaled_grads(d_loss)
         else:
-            grads = graph.recompute_grads(ctx.x, ctx.mask, (d_loss, *d_others))
+            grads = graph.recompute_grads(ctx.module, ctx.x, ctx.mask, (d_loss, *d_others))
         weight_grads = grads[: len(graph.weights)]
         input_grad = grads[len(graph.weights)] if graph.input_grad else None
         return (None, input_grad, None, *weight_grads)
