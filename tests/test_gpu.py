@@ -165,7 +165,7 @@ def test_graphed_step_hands_out_its_gradients_exactly_and_recomputes(monkeypatch
     def captured():  # the latest replay's gradients, one per weight (all require grad here)
         (graph,) = step_graph._graphs[model].values()
         assert graph.split == backward_graph
-        return [None if g is None else g.clone() for g in graph._hand_out(graph.flat_grads)]  # the next replay overwrites them
+        return [None if g is None else g.clone() for g in graph.grads]  # the next replay overwrites them
 
     model.zero_grad(set_to_none=True)
     scaled = backward(1, x, lambda out: out[0] * 4)

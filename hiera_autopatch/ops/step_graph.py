@@ -267,12 +267,13 @@ class StepGraph:
             self.static_d_loss = torch.ones_like(self.loss)
 
     def _backward_body(self):
-        """autograd.grad of the loss from ``static_d_loss``, into one flat buffer per dtype."""
+        """autograd.grad of the loss from ``static_d_loss``; backward copies the gradients out."""
         targets = self.weights + ([self.static_x] if self.input_grad else [])
         with torch.autocast(self.static_x.device.type, enabled=False):  # backward keeps forward's dtypes
             grads = torch.autograd.grad(self.loss, targets, self.static_d_loss, allow_unused=True)
         self.loss = None  # its graph is spent
-        self.flat_grads, self.grad_slots = _flatten(grads)
+        # in the graph's memory until the next replay; contiguous, so one foreach copy takes them out
+        self.grads = [None if grad is None else grad.contiguous() for grad in grads]
 
     def _run_forward(self):
         self._forward_body()
@@ -328,17 +329,11 @@ class StepGraph:
         else:
             self.backward_graph.replay()
         _replayed()
-        return self._hand_out({dtype: flat.clone() for dtype, flat in self.flat_grads.items()})
+        return _copy_out(self.grads)
 
     def scaled_grads(self, d_loss: torch.Tensor) -> List[Optional[torch.Tensor]]:
-        """One graph: the captured gradients times ``d_loss``, one multiply per dtype into a new flat
-        buffer (the next replay overwrites ours)."""
-        return self._hand_out({dtype: flat * d_loss.to(dtype) for dtype, flat in self.flat_grads.items()})
-
-    def _hand_out(self, flat: Dict[torch.dtype, torch.Tensor]) -> List[Optional[torch.Tensor]]:
-        """Per gradient, a view of its dtype's flat buffer (None where the graph had none)."""
-        return [None if slot is None else flat[slot[0]][slot[1]:slot[1] + slot[2].numel()].view(slot[2])
-                for slot in self.grad_slots]
+        """One graph: the captured gradients times ``d_loss`` (the next replay overwrites ours)."""
+        return _copy_out(self.grads, d_loss)
 
     def recompute_grads(self, module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor,
                         grad_outputs) -> List[Optional[torch.Tensor]]:
@@ -373,23 +368,30 @@ def _replayed() -> None:
     _counts["replays"] += 1
 
 
-def _flatten(grads: Sequence[Optional[torch.Tensor]]):
-    """Gradients -> ({dtype: one flat buffer}, per gradient (dtype, offset, shape) or None).
+def _copy_out(grads: Sequence[Optional[torch.Tensor]], scale: Optional[torch.Tensor] = None
+              ) -> List[Optional[torch.Tensor]]:
+    """Gradients in the graph's memory -> new tensors, views of one flat buffer per dtype, times
+    ``scale`` if given (None stays None).
 
-    Inside the graph this is one copy; it lets backward copy (or scale) every gradient out of the
-    graph's memory with one kernel per dtype instead of one per weight (~400 launches for Hiera-B MAE)."""
-    groups: Dict[torch.dtype, List[torch.Tensor]] = {}
-    slots: List[Optional[tuple]] = []
-    offsets: Dict[torch.dtype, int] = {}
-    for grad in grads:
-        if grad is None:
-            slots.append(None)
-            continue
-        offset = offsets.get(grad.dtype, 0)
-        slots.append((grad.dtype, offset, grad.shape))
-        offsets[grad.dtype] = offset + grad.numel()
-        groups.setdefault(grad.dtype, []).append(grad.reshape(-1))
-    return {dtype: torch.cat(parts) for dtype, parts in groups.items()}, slots
+    One foreach copy (a few multi-tensor launches) and, with a scale, one multiply per dtype: not a
+    copy per weight (~400 launches for Hiera-B MAE), and no concatenation inside the graph (H200:
+    a 157 MB ``cat`` of Hiera-B MAE's gradients took 0.3 ms of every step)."""
+    out: List[Optional[torch.Tensor]] = [None] * len(grads)
+    by_dtype: Dict[torch.dtype, List[int]] = {}
+    for i, grad in enumerate(grads):
+        if grad is not None:
+            by_dtype.setdefault(grad.dtype, []).append(i)
+    for dtype, indices in by_dtype.items():
+        sources = [grads[i] for i in indices]
+        flat = torch.empty(sum(g.numel() for g in sources), dtype=dtype, device=sources[0].device)
+        offset = 0
+        for i, grad in zip(indices, sources):
+            out[i] = flat[offset:offset + grad.numel()].view(grad.shape)
+            offset += grad.numel()
+        torch._foreach_copy_([out[i] for i in indices], sources)
+        if scale is not None:
+            flat.mul_(scale.to(dtype))
+    return out
 
 
 class WholeStep(torch.autograd.Function):
