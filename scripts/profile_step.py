@@ -50,6 +50,7 @@ INDUCTOR_SWITCHES = {
     "coord_descent": {"coordinate_descent_tuning": True},  # tunes Inductor's own kernels' blocks
     "no_pdl": {"triton.enable_pdl": False},  # without programmatic dependent launch (on by default)
     "mix_split64": {"triton.mix_order_reduction_split_size": 64},  # fewer LayerNorm-grad partial rows
+    "combo": {"combo_kernels": True},  # independent small kernels (e.g. weight-grad sums) as one launch
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
@@ -110,8 +111,9 @@ def inductor_options(switches) -> dict:
 
 
 def tuned_blocks(path: str) -> dict:
-    """``window_attention.TUNED`` entries from a scripts/tune_attention.py JSON: (T, S, D) -> the
-    forward keys of the fastest forward config and the backward keys of the fastest backward one."""
+    """``window_attention.TUNED`` updates from a scripts/tune_attention.py JSON: (T, S, D) -> the
+    forward keys of the fastest forward config and the backward keys of the fastest backward one
+    (the keys each trial set; the rest keep the shipped values)."""
     from hiera_autopatch.ops.triton.window_attention import BWD_KEYS
 
     bwd_keys = set(BWD_KEYS) | {"num_warps_bwd"}
@@ -119,11 +121,13 @@ def tuned_blocks(path: str) -> dict:
         shapes = json.load(fh)["shapes"]
     tuned = {}
     for entry in shapes.values():
-        if "fwd_best" not in entry or "bwd_best" not in entry:
-            continue
-        config = {k: v for k, v in entry["fwd_best"]["full"].items() if k not in bwd_keys}
-        config.update({k: v for k, v in entry["bwd_best"]["full"].items() if k in bwd_keys})
-        tuned[(entry["T"], entry["S"], entry["D"])] = config
+        config = {}
+        if "fwd_best" in entry:  # a pass tuned alone (--phases) leaves the other one as shipped
+            config.update({k: v for k, v in entry["fwd_best"]["config"].items() if k not in bwd_keys})
+        if "bwd_best" in entry:
+            config.update({k: v for k, v in entry["bwd_best"]["config"].items() if k in bwd_keys})
+        if config:
+            tuned[(entry["T"], entry["S"], entry["D"])] = config
     return tuned
 
 
@@ -302,7 +306,8 @@ def main(argv=None) -> int:
         window_attention.TUNED.clear()
         window_attention.TUNED.update(shipped_tuning)
         if "tuned_attention" in spec["switches"]:
-            window_attention.TUNED.update(tuning)
+            for key, config in tuning.items():
+                window_attention.TUNED[key] = {**window_attention.TUNED.get(key, {}), **config}
         attention_ops.sdpa_backend = spec["sdpa"]
         hiera_autopatch.disable()
         step_graph.enabled = False

@@ -61,6 +61,7 @@ SWITCH_LABELS = {
     "pdl": "Inductor programmatic dependent launch",
     "no_pdl": "without programmatic dependent launch",
     "mix_split64": "LayerNorm-grad partial sums over 64 rows",
+    "combo": "Inductor combo kernels",
     "no_cudagraphs": "without CUDA graphs",
     "two_graphs": "forward and backward as two graphs (reduce-overhead)",
     "one_graph": "forward and backward in one graph",

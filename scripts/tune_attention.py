@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="1,2,3", help="stage counts tried on the best configs")
     ap.add_argument("--top", type=int, default=3, help="configs retried at every stage count")
     ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting configs after this")
+    ap.add_argument("--phases", default="fwd,bwd", help="which passes to tune (comma list)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
             entry["trials"].append(record)
             return record
 
-        for phase in ("fwd", "bwd"):
+        for phase in [p for p in ("fwd", "bwd") if p in args.phases.split(",")]:
             default = trial(phase, {})
             entry[f"{phase}_default_ms"] = default.get("ms")
             tried = [default]
