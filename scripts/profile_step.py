@@ -114,7 +114,7 @@ def tuned_blocks(path: str) -> dict:
     forward keys of the fastest forward config and the backward keys of the fastest backward one."""
     from hiera_autopatch.ops.triton.window_attention import BWD_KEYS
 
-    bwd_keys = set(BWD_KEYS) | {"num_warps_bwd"}
+    bwd_keys = set(BWD_KEYS) | {"num_warps_bwd", "KV_LOOP_BWD"}
     with open(path) as fh:
         shapes = json.load(fh)["shapes"]
     tuned = {}
