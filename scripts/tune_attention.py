@@ -36,9 +36,7 @@ def _pow2_upto(limit: int, low: int = 16, high: int = 256):
 
 def candidates(wa, T: int, S: int, D: int, nw: int, phase: str):
     """Block x warps configs for one phase ("fwd" or "bwd") at the default stages: query blocks
-    16-128, key blocks 32-256, 4 or 8 warps (and 2 for tiles up to 64 x 64). A backward config
-    whose key block is smaller than a group's keys is also tried with KV_LOOP_BWD=1 (the
-    key-block-loop backward instead of the dk/dv + dq kernels)."""
+    16-128, key blocks 32-256, 4 or 8 warps (and 2 for tiles up to 64 x 64)."""
     base = wa.default_config(T, S, D, nw)
     G = base["G"]
     suffix = "" if phase == "fwd" else "_BWD"
@@ -49,8 +47,6 @@ def candidates(wa, T: int, S: int, D: int, nw: int, phase: str):
         if bm * bn > 128 * 128 or (w == 2 and bm * bn > 64 * 64):
             continue
         out.append({"BLOCK_M" + suffix: bm, "BLOCK_N" + suffix: bn, warp_key: w})
-        if phase == "bwd" and bn < G * T:
-            out.append(dict(out[-1], KV_LOOP_BWD=1))
     return out
 
 

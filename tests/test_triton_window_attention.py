@@ -153,107 +153,6 @@ def test_cpu_pool_ties(pool, dtype):
     assert rel > 1e-2, f"test has no ties: {pool} and {other} gradients agree (rel {rel:.1e})"
 
 
-# KV_LOOP_BWD=1 with backward key blocks smaller than a group's keys: (B, nw, T, H, D, S, config).
-# Each runs with pool "max" and, where S > 1, also "amax", on quantised q (ties in every pool window).
-_KV_LOOP_SHAPES = [
-    # the MAE decoder scaled down: global, head_dim 32; three key blocks, so query blocks have a
-    # first, a middle and a last key block
-    (1, 1, 40, 2, 32, 1, {"BLOCK_M_BWD": 16, "BLOCK_N_BWD": 16}, "decoder-like-T40-D32-BN16"),
-    (1, 1, 196, 1, 32, 1, {"BLOCK_M_BWD": 16, "BLOCK_N_BWD": 64}, "decoder-T196-D32-BN64"),
-    (1, 1, 32, 1, 24, 4, {"BLOCK_M_BWD": 16, "BLOCK_N_BWD": 16}, "global-T32-S4"),
-    # several windows per program: one key block per window, and two windows per key block
-    (1, 8, 16, 1, 24, 1, {"G": 4, "BLOCK_M_BWD": 16, "BLOCK_N_BWD": 16}, "G4-T16-BN16"),
-    (1, 8, 16, 1, 24, 1, {"G": 4, "BLOCK_M_BWD": 32, "BLOCK_N_BWD": 32}, "G4-T16-BN32"),
-    # Tq=4: one 16-row query block holds all 4 windows; nw=6 leaves the second group partial
-    (1, 6, 16, 2, 24, 4, {"G": 4, "BLOCK_M_BWD": 16, "BLOCK_N_BWD": 32}, "G4-T16-S4-partial-group"),
-    # odd T, ragged blocks: query and key blocks that span two windows
-    (1, 4, 12, 1, 24, 1, {"G": 4, "BLOCK_M_BWD": 16, "BLOCK_N_BWD": 16}, "G4-T12-blocks-span-windows"),
-    (2, 3, 20, 1, 40, 1, {"G": 3, "BLOCK_M_BWD": 16, "BLOCK_N_BWD": 32}, "B2-G3-T20-D40"),
-    (1, 3, 20, 1, 24, 4, {"G": 3, "BLOCK_M_BWD": 16, "BLOCK_N_BWD": 16}, "G3-T20-S4"),
-]
-KV_LOOP_CASES = [
-    pytest.param(B, nw, T, H, D, S, dict(config, KV_LOOP_BWD=1), pool, id=f"{name}-{pool}")
-    for B, nw, T, H, D, S, config, name in _KV_LOOP_SHAPES
-    for pool in (("max", "amax") if S > 1 else ("max",))
-]
-
-
-class _LaunchSpy:
-    """Stands in for a kernel in the module: counts launches; for the KV_LOOP kernel it first fills
-    the dq scratch buffer (argument 4) with NaN, so a part read before it is written shows."""
-
-    def __init__(self, kernel, poison_arg=None):
-        self.kernel, self.poison_arg, self.launches = kernel, poison_arg, 0
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches += 1
-            if self.poison_arg is not None:
-                args[self.poison_arg].fill_(float("nan"))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
-@pytest.fixture
-def bwd_spies(monkeypatch):
-    spies = {
-        "kvloop": _LaunchSpy(wa._window_attention_bwd_kvloop_kernel, poison_arg=4),
-        "dkdv": _LaunchSpy(wa._window_attention_bwd_dkdv_kernel),
-        "dq": _LaunchSpy(wa._window_attention_bwd_dq_kernel),
-    }
-    for name, spy in spies.items():
-        monkeypatch.setattr(wa, f"_window_attention_bwd_{name}_kernel", spy)
-    return spies
-
-
-@cpu_only
-@pytest.mark.parametrize("B,nw,T,H,D,S,config,pool", KV_LOOP_CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_cpu_kv_loop_matches_reference(B, nw, T, H, D, S, config, pool, dtype, bwd_spies):
-    """The key-block-loop backward against FAIR's ops; it must be the kernel that ran (alone)."""
-    qkv = make_qkv(B, nw, T, H, D, dtype, "cpu", ties=S > 1)
-    out, dqkv, ref, dref = run_both(qkv, nw, H, S, pool, config)
-    assert (bwd_spies["kvloop"].launches, bwd_spies["dkdv"].launches, bwd_spies["dq"].launches) == (1, 0, 0)
-    assert_close_verbose("out", out, ref, dtype)
-    assert_close_verbose("dqkv", dqkv, dref, dtype)
-    if S > 1:  # the ties matter: the other pool mode's gradient is far off
-        other = "amax" if pool == "max" else "max"
-        xr = qkv.detach().double().requires_grad_(True)
-        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype).double()
-        (d_other,) = torch.autograd.grad(wa.window_attention_reference(xr, nw, H, S, other), xr, dout)
-        assert ((dqkv.double() - d_other).norm() / d_other.norm()).item() > 1e-2
-
-
-@cpu_only
-@pytest.mark.parametrize("S,pool", [(1, "max"), (4, "max"), (4, "amax")])
-def test_cpu_kv_loop_equals_the_other_backward_paths(S, pool, bwd_spies):
-    """Same forward, same dout: KV_LOOP (16-key blocks) gives the dqkv of the dk/dv + dq kernels
-    at the same blocks and of the one-key-block (SINGLE_KV) kernel, up to fp32 summation order;
-    with one key block the flag changes nothing (SINGLE_KV runs)."""
-    B, nw, T, H, D = 1, 3, 32, 2, 24  # G=2: 64 keys per group, the second group partial
-    qkv = make_qkv(B, nw, T, H, D, torch.float32, "cpu", ties=S > 1)
-    out, lse = wa.window_attention_forward(qkv, nw, H, S)
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    blocks = {"G": 2, "BLOCK_M_BWD": 16}
-
-    def backward(config):
-        before = {name: spy.launches for name, spy in bwd_spies.items()}
-        dqkv = wa.window_attention_backward(dout, qkv, out, lse, nw, H, S, pool, dict(blocks, **config))
-        return dqkv, {name: spy.launches - before[name] for name, spy in bwd_spies.items()}
-
-    kv_loop, ran = backward({"BLOCK_N_BWD": 16, "KV_LOOP_BWD": 1})
-    assert ran == {"kvloop": 1, "dkdv": 0, "dq": 0}
-    three_kernel, ran = backward({"BLOCK_N_BWD": 16, "KV_LOOP_BWD": 0})
-    assert ran == {"kvloop": 0, "dkdv": 1, "dq": 1}
-    single_kv, ran = backward({"BLOCK_N_BWD": 64})
-    assert ran == {"kvloop": 0, "dkdv": 1, "dq": 0}
-    single_kv_flag, ran = backward({"BLOCK_N_BWD": 64, "KV_LOOP_BWD": 1})
-    assert ran == {"kvloop": 0, "dkdv": 1, "dq": 0}
-    assert torch.equal(single_kv_flag, single_kv)
-    for name, other in (("three-kernel", three_kernel), ("single-kv", single_kv)):
-        torch.testing.assert_close(kv_loop, other, rtol=1e-5, atol=1e-6, msg=lambda m: f"vs {name}: {m}")
-
-
 @cpu_only
 def test_cpu_every_element_written():
     """Poisoned (NaN) output buffers: the launchers must overwrite every element."""
@@ -264,8 +163,7 @@ def test_cpu_every_element_written():
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     dout = torch.randn_like(out)
     dqkv = torch.full_like(qkv, float("nan"))
-    for config in (None, {"BLOCK_M": 16, "BLOCK_N": 16, "G": 2},
-                   {"BLOCK_M": 16, "BLOCK_N": 16, "G": 2, "KV_LOOP_BWD": 1}):
+    for config in (None, {"BLOCK_M": 16, "BLOCK_N": 16, "G": 2}):
         dqkv.fill_(float("nan"))
         wa.window_attention_backward(dout, qkv, out, lse, nw, H, S, "max", config, dqkv=dqkv)
         assert torch.isfinite(dqkv).all(), config
@@ -286,8 +184,6 @@ def test_config_backward_keys_follow_the_forward_unless_set(monkeypatch):
     both = wa.full_config({"BLOCK_N": 32, "BLOCK_N_BWD": 256, "num_stages_bwd": 1}, 196, 1, 32, 1)
     assert (both["BLOCK_N"], both["BLOCK_N_BWD"], both["num_stages_bwd"]) == (32, 256, 1)
     assert list(untuned) == list(wa._CONFIG_KEYS)
-    assert untuned["KV_LOOP_BWD"] == 0 and tuned["KV_LOOP_BWD"] == 0  # off unless asked for
-    assert wa.full_config({"KV_LOOP_BWD": 1}, 196, 1, 32, 1)["KV_LOOP_BWD"] == 1
     with pytest.raises(AssertionError):
         wa.full_config({"BLOCK_N_BWD": 48}, 64, 1, 96, 19)  # not a power of two
 
@@ -442,11 +338,5 @@ def test_cpu_tune_script_times_each_phase_and_checks_it(tmp_path):
         assert entry[f"{phase}_best"]["config"] == {}  # only the default ran
         assert entry[f"{phase}_best"]["rel_err"] < 1e-5  # fp32 in the interpreter
     bwd_keys = {key for t in entry["trials"] if t["phase"] == "bwd" for key in t["config"]}
-    assert bwd_keys <= set(wa.BWD_KEYS) | {"num_warps_bwd", "KV_LOOP_BWD"}
-    bwd = tune.candidates(wa, 196, 1, 32, 1, "bwd")
-    assert set(bwd[0]) == {"BLOCK_M_BWD", "BLOCK_N_BWD", "num_warps_bwd"}
-    # KV_LOOP_BWD=1 is tried, exactly for the key blocks smaller than the decoder's 196 keys
-    plain = [c for c in bwd if "KV_LOOP_BWD" not in c]
-    assert [dict(c, KV_LOOP_BWD=1) for c in plain if c["BLOCK_N_BWD"] < 196] == \
-        [c for c in bwd if c.get("KV_LOOP_BWD") == 1]
-    assert not any("KV_LOOP_BWD" in c for c in tune.candidates(wa, 196, 1, 32, 1, "fwd"))
+    assert bwd_keys <= set(wa.BWD_KEYS) | {"num_warps_bwd"}
+    assert set(tune.candidates(wa, 196, 1, 32, 1, "bwd")[0]) == {"BLOCK_M_BWD", "BLOCK_N_BWD", "num_warps_bwd"}

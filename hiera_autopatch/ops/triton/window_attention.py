@@ -23,8 +23,7 @@ Design, for Hiera's short windows (T = 16..196 keys, head_dim 32..128):
 - Forward saves the log-sum-exp per query row (base 2). Backward recomputes P. When a group's keys
   fit one block, one kernel computes dk, dv and dq (delta = rowsum(P * dP), no read of ``out``);
   otherwise a small kernel computes delta = rowsum(dout * out), then a dk/dv kernel and a dq kernel
-  run, or, with ``KV_LOOP_BWD=1``, one kernel whose program walks the group's key blocks in order
-  and sums each query block's dq parts in an fp32 scratch buffer (no S and dP recompute for dq).
+  run.
 - dq goes back through the pool: for "max" to the first maximal of the S values (what torch's
   ``max(dim).values`` backward does), for "amax" split evenly among the tied maxima.
 
@@ -372,98 +371,6 @@ if HAS_TRITON:
         _store_dq_through_pool(dq_ptr, q_ptr, dq * sm_scale, q, tq, w_q, q_mask, offs_d, NW, ROW,
                                Tq, S, POOL_AMAX)
 
-    @triton.jit
-    def _window_attention_bwd_kvloop_kernel(
-        QKV, DOUT, LSE, DELTA, DQ_ACC, DQKV,
-        NW, n_groups, qk_scale, sm_scale,
-        H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        POOL_AMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ):
-        # KV_LOOP_BWD: one program per (b, group, h) walks the group's key blocks in order, each as
-        # the dk/dv kernel does, and also computes dq as the SINGLE_KV path does, so S and dP are
-        # computed once (the dq kernel recomputes them) with only one key block's k, v, dk, dv in
-        # registers. A query block gets one dq part per key block it sees; the parts are summed
-        # in DQ_ACC (B, H, nw, Tq, D) fp32, private to this program: the first key block that sees
-        # the query block stores its part (no zero-fill), middle ones add theirs, the last one adds
-        # and writes dq through the pool. Fixed order, no atomics: deterministic.
-        Tq: tl.constexpr = T // S
-        ROW: tl.constexpr = 3 * H * D
-        OUT_ROW: tl.constexpr = H * D
-        N_KB: tl.constexpr = (G * T + BLOCK_N - 1) // BLOCK_N  # key blocks of a group
-        b, grp, h, _ = _program_coords(tl.program_id(0), H, n_groups, 1)
-        w0 = grp * G
-        b64 = b.to(tl.int64)
-        qkv_off = b64 * (NW * T * ROW) + h * D
-        q_ptr = QKV + qkv_off
-        k_ptr = q_ptr + H * D
-        v_ptr = q_ptr + 2 * H * D
-        dq_ptr = DQKV + qkv_off
-        dk_ptr = dq_ptr + H * D
-        dv_ptr = dq_ptr + 2 * H * D
-        do_ptr = DOUT + b64 * (NW * Tq * OUT_ROW) + h * D
-        lse_ptr = LSE + (b64 * H + h) * NW * Tq  # (nw, Tq) of this (b, h)
-        delta_ptr = DELTA + (b64 * H + h) * NW * Tq
-        acc_ptr = DQ_ACC + (b64 * H + h) * (NW * Tq * D)  # (nw, Tq, D) of this (b, h)
-
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        for nb in range(0, N_KB):
-            # the dq parts stored under the previous key block may have been written by other
-            # threads of this program than those that read them back: make them visible
-            tl.debug_barrier()
-            g_k, t_k, w_k, k_ok = _group_positions(nb, w0, NW, G, T, BLOCK_N)  # (BLOCK_N,) each
-            k_mask = k_ok[:, None] & d_ok[None, :]  # (BLOCK_N, BLOCK_D)
-            k_rows = t_k * NW + w_k
-            k = tl.load(k_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
-            v = tl.load(v_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
-            dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-            dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-
-            # query blocks that hold the windows of this key block (as in the dk/dv kernel)
-            n_first = nb * BLOCK_N
-            n_last = tl.minimum(n_first + BLOCK_N, G * T) - 1
-            mb_lo = (n_first // T) * Tq // BLOCK_M
-            mb_hi = ((n_last // T + 1) * Tq + BLOCK_M - 1) // BLOCK_M
-            for mb in range(mb_lo, mb_hi):
-                g_q, tq, w_q, q_ok = _group_positions(mb, w0, NW, G, Tq, BLOCK_M)  # (BLOCK_M,)
-                q_mask = q_ok[:, None] & d_ok[None, :]  # (BLOCK_M, BLOCK_D)
-                q = _load_pooled_q(q_ptr, tq, w_q, q_mask, offs_d, NW, ROW, Tq, S)
-                o_rows = tq * NW + w_q
-                do = tl.load(do_ptr + o_rows[:, None] * OUT_ROW + offs_d[None, :], mask=q_mask,
-                             other=0.0)  # (BLOCK_M, BLOCK_D)
-                lse = tl.load(lse_ptr + w_q * Tq + tq, mask=q_ok, other=0.0)  # (BLOCK_M,)
-                # one key block sees only part of a row of P: delta from rowsum(dout * out)
-                delta = tl.load(delta_ptr + w_q * Tq + tq, mask=q_ok, other=0.0)
-
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN)
-                same = (g_q[:, None] == g_k[None, :]) & q_ok[:, None] & k_ok[None, :]
-                p = tl.where(same, tl.exp2(s - lse[:, None]), 0.0)  # softmax probabilities
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
-                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BM, BN)
-                ds = p * (dp - delta[:, None])  # d(loss)/d(q.k), without the scale
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
-                dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)  # (BM, BD) fp32
-
-                # key blocks that see this query block: kb_lo..kb_hi-1, as in the dq kernel; the
-                # loop over nb meets them in that order
-                m_first = mb * BLOCK_M
-                m_last = tl.minimum(m_first + BLOCK_M, G * Tq) - 1
-                kb_lo = (m_first // Tq) * T // BLOCK_N
-                kb_hi = ((m_last // Tq + 1) * T + BLOCK_N - 1) // BLOCK_N
-                acc = acc_ptr + (w_q * Tq + tq)[:, None] * D + offs_d[None, :]  # (BM, BD)
-                dq += tl.load(acc, mask=q_mask & (nb > kb_lo), other=0.0)  # earlier parts
-                # masks, not branches: a middle key block stores the running sum, the last one
-                # writes dq (and nothing to DQ_ACC)
-                tl.store(acc, dq, mask=q_mask & (nb < kb_hi - 1))
-                _store_dq_through_pool(dq_ptr, q_ptr, dq * sm_scale, q, tq, w_q,
-                                       q_mask & (nb == kb_hi - 1), offs_d, NW, ROW, Tq, S, POOL_AMAX)
-
-            tl.store(dk_ptr + k_rows[:, None] * ROW + offs_d[None, :],
-                     (dk * sm_scale).to(DQKV.dtype.element_ty), mask=k_mask)
-            tl.store(dv_ptr + k_rows[:, None] * ROW + offs_d[None, :],
-                     dv.to(DQKV.dtype.element_ty), mask=k_mask)
-
 
 # ------------------------------------------------------------------------------------------------
 # Host launchers
@@ -536,8 +443,7 @@ def default_config(T: int, q_stride: int, D: int, num_windows: int = 1 << 30) ->
     than nw); keys in blocks of at most 128; at least 16 rows/cols (tl.dot's minimum). Warps: 4,
     and 8 for a backward that holds 128x128 k/v/dk/dv tiles; on the H200 sweep this was the best
     choice for every Hiera-B shape, or within 2% of it. ``TUNED`` overrides blocks per shape
-    (measured at this rule's G). ``KV_LOOP_BWD=1`` picks the key-block-loop backward where a
-    group's keys span several backward key blocks (off by default: not yet timed on a GPU).
+    (measured at this rule's G).
     """
     Tq = T // q_stride
     G = max(1, min(64 // T, num_windows))
@@ -545,7 +451,7 @@ def default_config(T: int, q_stride: int, D: int, num_windows: int = 1 << 30) ->
     config = {"G": G,
               "BLOCK_M": max(16, min(64, _next_pow2(G * Tq))),
               "BLOCK_N": max(16, min(128, _next_pow2(G * T))),
-              "num_warps": 4, "num_stages": 2, "KV_LOOP_BWD": 0}
+              "num_warps": 4, "num_stages": 2}
     config.update(TUNED.get((T, q_stride, D), {}))
     # backward holds k, v, dk, dv (BLOCK_N x BLOCK_D) and P, dP, dS (BLOCK_M x BLOCK_N) at once
     block_n_bwd = config.get("BLOCK_N_BWD", config["BLOCK_N"])
@@ -565,7 +471,7 @@ BWD_KEYS = {"BLOCK_M_BWD": "BLOCK_M", "BLOCK_N_BWD": "BLOCK_N", "num_stages_bwd"
 depend on blocks, so the two passes can tile differently)."""
 
 _CONFIG_KEYS = ("G", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
-                "BLOCK_M_BWD", "BLOCK_N_BWD", "num_warps_bwd", "num_stages_bwd", "KV_LOOP_BWD")
+                "BLOCK_M_BWD", "BLOCK_N_BWD", "num_warps_bwd", "num_stages_bwd")
 
 
 def full_config(config: Optional[Dict[str, int]], T: int, q_stride: int, D: int,
@@ -643,7 +549,6 @@ def window_attention_backward(
     n_groups = triton.cdiv(num_windows, G)
     n_k_blocks = triton.cdiv(G * T, BN)
     single_kv = n_k_blocks == 1
-    kv_loop = bool(cfg["KV_LOOP_BWD"]) and not single_kv  # one key block: SINGLE_KV already
     sm_scale = D ** -0.5
     common = dict(H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
                   POOL_AMAX=pool == "amax", DOT_PRECISION=_dot_precision(qkv.dtype),
@@ -660,14 +565,6 @@ def window_attention_backward(
                 dout, out, delta, num_windows, n_rows,
                 H=heads, D=D, Tq=Tq, BLOCK_R=block_r, BLOCK_D=BD, num_warps=4,
             )
-        if kv_loop:
-            dq_acc = torch.empty(B, heads, num_windows, Tq, D, device=qkv.device,
-                                 dtype=torch.float32)  # dq's running sums; no zero-fill needed
-            _window_attention_bwd_kvloop_kernel[(B * n_groups * heads,)](
-                qkv, dout, lse, delta, dq_acc, dqkv,
-                num_windows, n_groups, sm_scale * _LOG2E, sm_scale, **common,
-            )
-            return dqkv
         _window_attention_bwd_dkdv_kernel[(B * n_groups * heads * n_k_blocks,)](
             qkv, dout, lse, delta, dqkv,
             num_windows, n_groups, n_k_blocks, sm_scale * _LOG2E, sm_scale,
