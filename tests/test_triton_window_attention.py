@@ -249,28 +249,6 @@ def test_gpu_matches_reference(name, nw, T, H, D, S, dtype):
     assert_close_verbose("dqkv", dqkv, dref, dtype)
 
 
-# (name, nw, T, H, D, S, config): the key-block-loop backward on real shapes, several key blocks
-GPU_KV_LOOP_CASES = [
-    ("decoder-64", 1, 196, 16, 32, 1, {"BLOCK_M_BWD": 32, "BLOCK_N_BWD": 64, "KV_LOOP_BWD": 1}),
-    ("decoder-128", 1, 196, 16, 32, 1, {"BLOCK_M_BWD": 64, "BLOCK_N_BWD": 128, "num_warps_bwd": 8,
-                                        "KV_LOOP_BWD": 1}),
-    ("stage2-pool-32", 19, 64, 2, 96, 4, {"BLOCK_M_BWD": 16, "BLOCK_N_BWD": 32, "KV_LOOP_BWD": 1}),
-    ("stage3-pool-G4", 19, 16, 4, 96, 4, {"BLOCK_M_BWD": 16, "BLOCK_N_BWD": 32, "KV_LOOP_BWD": 1}),
-]
-
-
-@gpu_only
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("name,nw,T,H,D,S,config", GPU_KV_LOOP_CASES, ids=[c[0] for c in GPU_KV_LOOP_CASES])
-def test_gpu_kv_loop_matches_reference(name, nw, T, H, D, S, config, dtype):
-    B = 64 if dtype == torch.bfloat16 else 8
-    qkv = make_qkv(B, nw, T, H, D, dtype, "cuda", seed=sum(map(ord, name)))
-    out, dqkv, ref, dref = run_both(qkv, nw, H, S, "max", config)
-    torch.cuda.synchronize()
-    assert_close_verbose("out", out, ref, dtype)
-    assert_close_verbose("dqkv", dqkv, dref, dtype)
-
-
 @gpu_only
 @pytest.mark.parametrize("pool", ["max", "amax"])
 def test_gpu_pool_ties_bf16(pool):
