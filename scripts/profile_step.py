@@ -49,7 +49,10 @@ INDUCTOR_SWITCHES = {
     "autotune_gemm": {"max_autotune_gemm": True},  # Triton GEMM templates vs cuBLAS, epilogue fusion
     "coord_descent": {"coordinate_descent_tuning": True},  # tunes Inductor's own kernels' blocks
     "no_pdl": {"triton.enable_pdl": False},  # without programmatic dependent launch (on by default)
-    "mix_split64": {"triton.mix_order_reduction_split_size": 64},  # fewer LayerNorm-grad partial rows
+    "mix_split64": {"triton.mix_order_reduction_split_size": 64},  # with +mix: fewer LayerNorm-grad partial rows
+    "mix_split32": {"triton.mix_order_reduction_split_size": 32},
+    "no_mix": {"triton.mix_order_reduction": False},  # LayerNorm's row and column grads apart (shipped)
+    "mix": {"triton.mix_order_reduction": True},  # Inductor's default: one kernel, ATen sums finish
     "combo": {"combo_kernels": True},  # independent small kernels (e.g. weight-grad sums) as one launch
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", *INDUCTOR_SWITCHES)
@@ -362,6 +365,7 @@ def main(argv=None) -> int:
         print(f"{mode:10s} {timing['median']:8.2f} ms/step  peak {results['modes'][mode]['peak_gib']:.1f} GiB"
               f"  warm-up {warmup_s:.1f} s", file=sys.stderr, flush=True)
         if args.no_profile or (args.profile_only and mode not in args.profile_only.split(",")):
+            save()
             continue
         if mode.startswith(("graphs", "compile")):
             profile(mode, runner)

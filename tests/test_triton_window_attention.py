@@ -109,6 +109,10 @@ CPU_CASES = [
     pytest.param(2, 2, 32, 2, 24, 2, {"BLOCK_M": 16, "BLOCK_N": 16}, id="B2-H2-nw2-multiblock"),
     # the MAE decoder's shape with its tuned default blocks (64 keys: four key blocks, partial last)
     pytest.param(1, 1, 196, 2, 32, 1, None, id="decoder-T196-D32-tuned"),
+    # the q-pooled stage 2/3 windows with their tuned blocks: a forward over two 32-key blocks per
+    # window, a one-pass backward; stage 3's 4 windows a program, the last group partial
+    pytest.param(1, 2, 64, 1, 96, 4, None, id="stage2-pool-T64-S4-D96-tuned"),
+    pytest.param(1, 5, 16, 1, 96, 4, None, id="stage3-pool-T16-S4-D96-tuned"),
     # forward and backward tiled differently: multi-block forward, one-pass (single key block)
     # backward, and the other way round
     pytest.param(1, 1, 40, 2, 24, 4, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_M_BWD": 16, "BLOCK_N_BWD": 64},

@@ -64,13 +64,24 @@ or ``max_autotune_gemm``; the compile then takes minutes longer."""
 
 
 def default_options() -> Dict[str, object]:
-    """Programmatic dependent launch for Inductor's kernels (each starts while the one before it
-    finishes), where this torch has it: H200, Hiera-B MAE, graphed step 34.7 -> 33.2 ms, GPU span
-    31.1 -> 29.9 ms in one run (benchmarks/results/h200_profile_pdl.json). Inductor emits it only on
-    GPUs that support it."""
+    """Inductor options of the graphed step, where this torch has them (H200, Hiera-B MAE):
+
+    - programmatic dependent launch (each kernel starts while the one before it finishes; emitted
+      only on GPUs that support it): graphed step 34.7 -> 33.2 ms, GPU span 31.1 -> 29.9 ms in one
+      run (benchmarks/results/h200_profile_pdl.json);
+    - no mix-order reductions: LayerNorm's input and weight gradients in separate kernels rather
+      than one kernel whose per-block partial sums 68 ATen sums then finish (9.6 us each). Step
+      32.7 / 32.7 ms with them, 31.5 / 32.5 without, A/B/A/B in one run
+      (benchmarks/results/h200_profile_mix_split.json).
+    """
     import torch._inductor.config as inductor_config
 
-    return {"triton.enable_pdl": True} if hasattr(inductor_config.triton, "enable_pdl") else {}
+    options: Dict[str, object] = {}
+    if hasattr(inductor_config.triton, "enable_pdl"):
+        options["triton.enable_pdl"] = True
+    if hasattr(inductor_config.triton, "mix_order_reduction"):
+        options["triton.mix_order_reduction"] = False
+    return options
 
 WARMUP_RUNS = 2
 """Runs before capture, on a side stream: compile, Triton JIT, cuBLAS handles, Inductor's own tuning."""
