@@ -1,4 +1,5 @@
-"""GPU timing shared by the kernel scripts (bench_attention_kernels.py, tune_attention.py)."""
+"""GPU timing shared by the kernel scripts (bench_attention_kernels.py, tune_attention.py,
+bench_gemm_gelu.py)."""
 
 
 def graph_replay_ms(fn, replays: int = 20, rounds: int = 5, warmup: int = 3) -> float:
@@ -25,3 +26,15 @@ def graph_replay_ms(fn, replays: int = 20, rounds: int = 5, warmup: int = 3) -> 
         end.synchronize()
         times.append(start.elapsed_time(end) / replays)
     return sorted(times)[len(times) // 2]
+
+
+def kernel_ms(fn, device: str, warmup: int = 3) -> float:
+    """``graph_replay_ms`` on CUDA; on the CPU (a dry run in Triton's interpreter) one call's wall
+    time, which only shows that the script runs."""
+    if device == "cpu":
+        import time
+
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    return graph_replay_ms(fn, warmup=warmup)

@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from _timing import graph_replay_ms  # scripts/, this script's directory
+from _timing import kernel_ms  # scripts/, this script's directory
 
 
 def _pow2_upto(limit: int, low: int = 16, high: int = 256):
@@ -84,12 +84,7 @@ def main(argv=None) -> int:
                 json.dump(results, fh, indent=1)
 
     def gpu_ms(fn):
-        """GPU time of fn (CUDA-graph replays); in the interpreter, one call's wall time."""
-        if dev == "cpu":
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e3
-        return graph_replay_ms(fn, warmup=2)
+        return kernel_ms(fn, dev, warmup=2)
 
     for name in [n for n in args.shapes.split(",") if n]:
         _, nw, T, H, D, S = shapes[name]

@@ -1,0 +1,172 @@
+"""Experiment, not wired into any patch: the MLP's GEMMs with FAIR's erf-GELU in their epilogue.
+
+The graphed step runs a Hiera MLP as cuBLAS GEMMs plus Inductor's elementwise GELU kernels (3.5 ms
+of Hiera-B MAE's 28 ms step on the H200, benchmarks/results/h200_profile_final.json). Those kernels
+only move bytes a GEMM epilogue already holds in registers:
+
+    forward   hidden = x @ w1^T + b1            (M, Hid)   saved for backward
+              act    = gelu(hidden)             (M, Hid)   fc2's input
+    backward  d_act  = d_out @ w2               (M, Hid)   fc2's data gradient
+              d_hid  = gelu'(hidden) * d_act    (M, Hid)
+              act    = gelu(hidden)             (M, Hid)   recomputed for fc2's weight gradient
+
+``linear_gelu`` computes the forward pair in one GEMM; ``matmul_gelu_backward`` the backward pair
+(d_act never reaches memory). Each rounds as the unfused ops do: GELU of the bf16 ``hidden``, GELU'
+times the bf16 ``d_act``. Whether this beats cuBLAS + Inductor on Hiera's shapes is what
+``scripts/bench_gemm_gelu.py`` measures; until it does, nothing calls these kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+try:  # the module must import without triton
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+
+
+# ------------------------------------------------------------------------------------------------
+# PyTorch references: the unfused ops the kernels stand in for
+# ------------------------------------------------------------------------------------------------
+
+
+def linear_gelu_reference(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor]):
+    """x (M, C), w1 (Hid, C), b1 (Hid,) -> hidden, gelu(hidden), each (M, Hid)."""
+    hidden = F.linear(x, w1, b1)
+    return hidden, F.gelu(hidden)
+
+
+def matmul_gelu_backward_reference(d_out: torch.Tensor, w2: torch.Tensor, hidden: torch.Tensor):
+    """d_out (M, C), w2 (C, Hid), hidden (M, Hid) -> d_hidden, gelu(hidden), each (M, Hid)."""
+    d_act = d_out.matmul(w2)
+    return torch.ops.aten.gelu_backward(d_act, hidden), F.gelu(hidden)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel
+# ------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gelu(h):
+        # exact (erf) GELU in fp32, as nn.GELU() / F.gelu(approximate="none")
+        return 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
+
+    @triton.jit
+    def _gelu_grad(h):
+        cdf = 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * h * h) * 0.3989422804014327  # 1 / sqrt(2 pi)
+        return cdf + h * pdf
+
+    @triton.jit
+    def _gemm_gelu_kernel(
+        A, B, BIAS, HIDDEN, OUT, ACT,
+        M, N, K,
+        stride_am, stride_ak, stride_bk, stride_bn,
+        BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        # acc = A (M, K) @ B (K, N), B read through strides (w1^T in forward, w2 in backward).
+        # OUT, ACT (and HIDDEN in backward): (M, N) contiguous.
+        # forward:  OUT = hidden = acc + bias, ACT = gelu(hidden)
+        # backward: OUT = gelu'(HIDDEN) * acc,  ACT = gelu(HIDDEN)
+        pid = tl.program_id(0)
+        n_m = tl.cdiv(M, BLOCK_M)
+        n_n = tl.cdiv(N, BLOCK_N)
+        # GROUP_M row blocks walk the column blocks together, so B tiles are reused from L2
+        per_group = GROUP_M * n_n
+        first_m = (pid // per_group) * GROUP_M
+        group_rows = tl.minimum(n_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_rows
+        pid_n = (pid % per_group) // group_rows
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        a_ptrs = A + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BM, BK)
+        b_ptrs = B + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn  # (BK, BN)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+        mask = m_ok[:, None] & n_ok[None, :]
+        offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]  # (BM, BN) into (M, N)
+        out_type = OUT.dtype.element_ty
+        if BACKWARD:
+            d_act = acc.to(out_type).to(tl.float32)  # d_act as the unfused matmul rounds it
+            hidden = tl.load(HIDDEN + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(OUT + offs, (_gelu_grad(hidden) * d_act).to(out_type), mask=mask)
+            tl.store(ACT + offs, _gelu(hidden).to(out_type), mask=mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            hidden = acc.to(out_type)
+            tl.store(OUT + offs, hidden, mask=mask)
+            tl.store(ACT + offs, _gelu(hidden.to(tl.float32)).to(out_type), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------------
+
+
+def _config(config: Optional[Dict[str, int]]) -> Dict[str, int]:
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        assert cfg[key] >= 16 and cfg[key] & (cfg[key] - 1) == 0, cfg
+    return cfg
+
+
+def _launch(a, b_t_strides, b, bias, hidden, n_out, backward: bool, config) -> Tuple[torch.Tensor, torch.Tensor]:
+    M, K = a.shape
+    cfg = _config(config)
+    out = torch.empty(M, n_out, device=a.device, dtype=a.dtype)
+    act = torch.empty_like(out)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(n_out, cfg["BLOCK_N"]),)
+    precision = "ieee" if a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
+    with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+        _gemm_gelu_kernel[grid](
+            a, b, bias if bias is not None else out, hidden if hidden is not None else out, out, act,
+            M, n_out, K,
+            a.stride(0), a.stride(1), *b_t_strides,
+            BACKWARD=backward, HAS_BIAS=bias is not None, DOT_PRECISION=precision,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return out, act
+
+
+def linear_gelu(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
+                config: Optional[Dict[str, int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``linear_gelu_reference`` in one GEMM: x (M, C), w1 (Hid, C) -> hidden, gelu(hidden)."""
+    # B = w1^T (C, Hid): element (k, n) at w1[n, k]
+    return _launch(x, (w1.stride(1), w1.stride(0)), w1, b1, None, w1.shape[0], False, config)
+
+
+def matmul_gelu_backward(d_out: torch.Tensor, w2: torch.Tensor, hidden: torch.Tensor,
+                         config: Optional[Dict[str, int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``matmul_gelu_backward_reference`` in one GEMM: d_out (M, C), w2 (C, Hid), hidden (M, Hid)
+    -> d_hidden, gelu(hidden)."""
+    hidden = hidden.contiguous()
+    assert hidden.shape == (d_out.shape[0], w2.shape[1]), (hidden.shape, d_out.shape, w2.shape)
+    return _launch(d_out, (w2.stride(0), w2.stride(1)), w2, None, hidden, w2.shape[1], True, config)
