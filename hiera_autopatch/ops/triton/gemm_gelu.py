@@ -13,7 +13,8 @@ only move bytes a GEMM epilogue already holds in registers:
 ``linear_gelu`` computes the forward pair in one GEMM; ``matmul_gelu_backward`` the backward pair
 (d_act never reaches memory). Each rounds as the unfused ops do: GELU of the bf16 ``hidden``, GELU'
 times the bf16 ``d_act``. Whether this beats cuBLAS + Inductor on Hiera's shapes is what
-``scripts/bench_gemm_gelu.py`` measures; until it does, nothing calls these kernels.
+``scripts/bench_gemm_gelu.py`` measures (kernel against kernel) and ``scripts/profile_step.py``'s
+``+gemm_gelu`` switch (the whole graphed step, through ``ops/mlp.py``); until it does, it stays off.
 """
 
 from __future__ import annotations
@@ -170,3 +171,41 @@ def matmul_gelu_backward(d_out: torch.Tensor, w2: torch.Tensor, hidden: torch.Te
     hidden = hidden.contiguous()
     assert hidden.shape == (d_out.shape[0], w2.shape[1]), (hidden.shape, d_out.shape, w2.shape)
     return _launch(d_out, (w2.stride(0), w2.stride(1)), w2, None, hidden, w2.shape[1], True, config)
+
+
+# ------------------------------------------------------------------------------------------------
+# Custom ops: opaque to torch.compile (Inductor keeps them as one call each); ops/mlp.py's GeluMlp
+# calls them in its forward and backward when ``mlp.fused_gelu_gemm`` is on
+# ------------------------------------------------------------------------------------------------
+
+
+def supports(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """2-D inputs of one float dtype, on CUDA (or on the CPU in Triton's interpreter, for tests)."""
+    import os
+
+    on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return (HAS_TRITON and on_device and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and all(w.dtype == x.dtype and w.device == x.device for w in weights))
+
+
+@torch.library.custom_op("hiera_autopatch::linear_gelu", mutates_args=())
+def linear_gelu_op(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    return linear_gelu(x.contiguous(), w1, b1)
+
+
+@linear_gelu_op.register_fake
+def _linear_gelu_shapes(x, w1, b1):
+    out = x.new_empty(x.shape[0], w1.shape[0])
+    return out, torch.empty_like(out)
+
+
+@torch.library.custom_op("hiera_autopatch::matmul_gelu_backward", mutates_args=())
+def matmul_gelu_backward_op(d_out: torch.Tensor, w2: torch.Tensor, hidden: torch.Tensor
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    return matmul_gelu_backward(d_out.contiguous(), w2, hidden)
+
+
+@matmul_gelu_backward_op.register_fake
+def _matmul_gelu_backward_shapes(d_out, w2, hidden):
+    out = hidden.new_empty(hidden.shape)
+    return out, torch.empty_like(out)
