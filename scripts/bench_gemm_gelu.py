@@ -38,12 +38,18 @@ SHAPES = {  # decoder and stage 3 first: the largest GELU kernels of the step (h
 }
 
 
+BLOCKS = (  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the usual Hopper bf16 GEMM tiles
+    (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 256, 64, 8, 4),
+    (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 32, 4, 5), (64, 64, 64, 4, 4),
+)
+
+
 def candidates():
-    """Blocks 64-256 x 64-256 (at most 128x256), K blocks 32/64, 4 or 8 warps, 3 or 4 stages."""
-    for bm, bn, bk, warps, stages in itertools.product((64, 128), (64, 128, 256), (32, 64), (4, 8), (3, 4)):
-        if bm * bn > 128 * 256 or (warps == 4 and bm * bn > 128 * 128):
-            continue
-        yield {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
+    """Each of ``BLOCKS`` with tiles fetched by tensor descriptors (TMA), then by pointers: 16
+    configs, so that Triton's compiles (a second or two each, shared by shapes) fit a short run."""
+    for tma, (bm, bn, bk, warps, stages) in itertools.product((1, 0), BLOCKS):
+        yield {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
+               "TMA": tma}
 
 
 def rel_err(a, b) -> float:

@@ -31,6 +31,17 @@ MARKER = "__hiera_autopatch__"
 """hiera_autopatch.patches._base.MARKER: set on every replacement function."""
 
 
+def import_script(name: str):
+    """scripts/<name>.py as a module, with scripts/ on sys.path while it imports (its ``_timing``)."""
+    import importlib
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
 def clean_env(env: Optional[Mapping[str, Optional[str]]] = None) -> Dict[str, str]:
     """os.environ without any HIERA_OPTIM* or torchrun variable, plus ``env`` (a None value removes).
 

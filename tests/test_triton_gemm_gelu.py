@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import sys
 
 import pytest
 import torch
+from conftest import import_script
 
 gg = importlib.import_module("hiera_autopatch.ops.triton.gemm_gelu")
 
@@ -57,11 +56,12 @@ def _check(M, C, Hid, dtype, device, config, bias=True):
 
 
 @cpu_only
+@pytest.mark.parametrize("tma", [0, 1], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("M,C,Hid,bias", [(37, 24, 40, True), (16, 16, 16, True), (50, 40, 24, False)],
                          ids=["odd", "one-tile", "no-bias"])
-def test_cpu_matches_the_unfused_ops(M, C, Hid, bias, dtype):
-    _check(M, C, Hid, dtype, "cpu", SMALL, bias)
+def test_cpu_matches_the_unfused_ops(M, C, Hid, bias, dtype, tma):
+    _check(M, C, Hid, dtype, "cpu", {**SMALL, "TMA": tma}, bias)
 
 
 @cpu_only
@@ -77,11 +77,7 @@ def test_cpu_gelu_is_the_exact_erf_one():
 
 @cpu_only
 def test_cpu_bench_script_dry_run(tmp_path):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
-    try:
-        bench = importlib.import_module("bench_gemm_gelu")
-    finally:
-        sys.path.pop(0)
+    bench = import_script("bench_gemm_gelu")
     out = tmp_path / "gemm_gelu.json"
     assert bench.main(["--device", "cpu", "--shapes", "decoder", "--json", str(out)]) == 0
     entry = json.loads(out.read_text())["shapes"]["decoder"]
@@ -91,6 +87,7 @@ def test_cpu_bench_script_dry_run(tmp_path):
 
 
 @gpu_only
+@pytest.mark.parametrize("tma", [0, 1], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_gpu_decoder_shape(dtype):
-    _check(128 * 196 + 3, 512, 2048, dtype, "cuda", None)
+def test_gpu_decoder_shape(dtype, tma):
+    _check(128 * 196 + 3, 512, 2048, dtype, "cuda", {"TMA": tma})

@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+from conftest import import_script
 
 _HAS_CUDA = torch.cuda.is_available()
 if not _HAS_CUDA:
@@ -304,13 +305,8 @@ def test_cpu_tune_script_times_each_phase_and_checks_it(tmp_path):
     """scripts/tune_attention.py in the interpreter: forward and backward tuned apart, each trial
     checked against the reference, the default config among the trials."""
     import json
-    import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
-    try:
-        tune = importlib.import_module("tune_attention")
-    finally:
-        sys.path.pop(0)
+    tune = import_script("tune_attention")
     out = tmp_path / "tune.json"
     assert tune.main(["--device", "cpu", "--batch", "1", "--shapes", "stage4-global-mae",
                       "--budget-s", "0", "--json", str(out)]) == 0

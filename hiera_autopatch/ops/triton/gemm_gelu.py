@@ -35,7 +35,10 @@ except Exception:  # pragma: no cover - depends on the environment
     tl = None
     HAS_TRITON = False
 
-DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4,
+                  "TMA": 0}
+"""TMA 1: tiles fetched by tensor descriptors (needs 16-byte aligned rows: K and N multiples of 8
+in bf16); 0: by pointers. Untimed: scripts/bench_gemm_gelu.py tries both."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -73,6 +76,42 @@ if HAS_TRITON:
         return cdf + h * pdf
 
     @triton.jit
+    def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        # (row block, column block) of program pid: GROUP_M row blocks walk the column blocks
+        # together, so the B tiles they share are still in L2
+        n_m = tl.cdiv(M, BLOCK_M)
+        n_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * n_n
+        first_m = (pid // per_group) * GROUP_M
+        group_rows = tl.minimum(n_m - first_m, GROUP_M)
+        return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+    @triton.jit
+    def _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT,
+                  BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # acc (BLOCK_M, BLOCK_N) fp32 tile of the product. OUT, ACT (and HIDDEN): (M, N) contiguous.
+        # forward:  OUT = hidden = acc + bias, ACT = gelu(hidden)
+        # backward: OUT = gelu'(HIDDEN) * acc,  ACT = gelu(HIDDEN)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        n_ok = offs_n < N
+        mask = (offs_m < M)[:, None] & n_ok[None, :]
+        offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]  # (BM, BN) into (M, N)
+        out_type = OUT.dtype.element_ty
+        if BACKWARD:
+            d_act = acc.to(out_type).to(tl.float32)  # d_act as the unfused matmul rounds it
+            hidden = tl.load(HIDDEN + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(OUT + offs, (_gelu_grad(hidden) * d_act).to(out_type), mask=mask)
+            tl.store(ACT + offs, _gelu(hidden).to(out_type), mask=mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            hidden = acc.to(out_type)
+            tl.store(OUT + offs, hidden, mask=mask)
+            tl.store(ACT + offs, _gelu(hidden.to(tl.float32)).to(out_type), mask=mask)
+
+    @triton.jit
     def _gemm_gelu_kernel(
         A, B, BIAS, HIDDEN, OUT, ACT,
         M, N, K,
@@ -80,20 +119,8 @@ if HAS_TRITON:
         BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
-        # acc = A (M, K) @ B (K, N), B read through strides (w1^T in forward, w2 in backward).
-        # OUT, ACT (and HIDDEN in backward): (M, N) contiguous.
-        # forward:  OUT = hidden = acc + bias, ACT = gelu(hidden)
-        # backward: OUT = gelu'(HIDDEN) * acc,  ACT = gelu(HIDDEN)
-        pid = tl.program_id(0)
-        n_m = tl.cdiv(M, BLOCK_M)
-        n_n = tl.cdiv(N, BLOCK_N)
-        # GROUP_M row blocks walk the column blocks together, so B tiles are reused from L2
-        per_group = GROUP_M * n_n
-        first_m = (pid // per_group) * GROUP_M
-        group_rows = tl.minimum(n_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_rows
-        pid_n = (pid % per_group) // group_rows
-
+        # acc = A (M, K) @ B (K, N), both read through strides (B = w1^T in forward, w2 in backward)
+        pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         offs_k = tl.arange(0, BLOCK_K)
@@ -109,21 +136,29 @@ if HAS_TRITON:
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
+        _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
 
-        mask = m_ok[:, None] & n_ok[None, :]
-        offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]  # (BM, BN) into (M, N)
-        out_type = OUT.dtype.element_ty
-        if BACKWARD:
-            d_act = acc.to(out_type).to(tl.float32)  # d_act as the unfused matmul rounds it
-            hidden = tl.load(HIDDEN + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(OUT + offs, (_gelu_grad(hidden) * d_act).to(out_type), mask=mask)
-            tl.store(ACT + offs, _gelu(hidden).to(out_type), mask=mask)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            hidden = acc.to(out_type)
-            tl.store(OUT + offs, hidden, mask=mask)
-            tl.store(ACT + offs, _gelu(hidden.to(tl.float32)).to(out_type), mask=mask)
+    @triton.jit
+    def _gemm_gelu_tma_kernel(
+        a_desc, b_desc, BIAS, HIDDEN, OUT, ACT,
+        M, N, K,
+        B_IS_KN: tl.constexpr, BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        # The same product with A and B tiles fetched by tensor descriptors (Hopper's TMA; zero
+        # padding past the edges). b_desc: w2 (K, N) when B_IS_KN, else w1 (N, K), used transposed.
+        pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([off_m, k0])  # (BLOCK_M, BLOCK_K)
+            if B_IS_KN:
+                b = b_desc.load([k0, off_n])  # (BLOCK_K, BLOCK_N)
+            else:
+                b = tl.trans(b_desc.load([off_n, k0]))  # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -138,30 +173,37 @@ def _config(config: Optional[Dict[str, int]]) -> Dict[str, int]:
     return cfg
 
 
-def _launch(a, b_t_strides, b, bias, hidden, n_out, backward: bool, config) -> Tuple[torch.Tensor, torch.Tensor]:
+def _launch(a, b, b_is_kn: bool, bias, hidden, n_out, backward: bool, config) -> Tuple[torch.Tensor, torch.Tensor]:
+    """a (M, K) @ B -> (out, act), each (M, n_out); B = b (K, N) if b_is_kn, else b (N, K) transposed."""
     M, K = a.shape
     cfg = _config(config)
+    BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     out = torch.empty(M, n_out, device=a.device, dtype=a.dtype)
     act = torch.empty_like(out)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(n_out, cfg["BLOCK_N"]),)
+    grid = (triton.cdiv(M, BM) * triton.cdiv(n_out, BN),)
     precision = "ieee" if a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
+    common = dict(BACKWARD=backward, HAS_BIAS=bias is not None, DOT_PRECISION=precision,
+                  BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg["GROUP_M"],
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    tensors = (bias if bias is not None else out, hidden if hidden is not None else out, out, act)
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
-        _gemm_gelu_kernel[grid](
-            a, b, bias if bias is not None else out, hidden if hidden is not None else out, out, act,
-            M, n_out, K,
-            a.stride(0), a.stride(1), *b_t_strides,
-            BACKWARD=backward, HAS_BIAS=bias is not None, DOT_PRECISION=precision,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
+        if cfg.get("TMA"):
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            a_desc = TensorDescriptor.from_tensor(a, [BM, BK])
+            b_desc = TensorDescriptor.from_tensor(b, [BK, BN] if b_is_kn else [BN, BK])
+            _gemm_gelu_tma_kernel[grid](a_desc, b_desc, *tensors, M, n_out, K, B_IS_KN=b_is_kn, **common)
+        else:
+            # B's (k, n) element: b[k, n], or b[n, k] for the transposed weight
+            b_strides = (b.stride(0), b.stride(1)) if b_is_kn else (b.stride(1), b.stride(0))
+            _gemm_gelu_kernel[grid](a, b, *tensors, M, n_out, K, a.stride(0), a.stride(1), *b_strides, **common)
     return out, act
 
 
 def linear_gelu(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
                 config: Optional[Dict[str, int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``linear_gelu_reference`` in one GEMM: x (M, C), w1 (Hid, C) -> hidden, gelu(hidden)."""
-    # B = w1^T (C, Hid): element (k, n) at w1[n, k]
-    return _launch(x, (w1.stride(1), w1.stride(0)), w1, b1, None, w1.shape[0], False, config)
+    return _launch(x, w1, False, b1, None, w1.shape[0], False, config)
 
 
 def matmul_gelu_backward(d_out: torch.Tensor, w2: torch.Tensor, hidden: torch.Tensor,
@@ -170,7 +212,7 @@ def matmul_gelu_backward(d_out: torch.Tensor, w2: torch.Tensor, hidden: torch.Te
     -> d_hidden, gelu(hidden)."""
     hidden = hidden.contiguous()
     assert hidden.shape == (d_out.shape[0], w2.shape[1]), (hidden.shape, d_out.shape, w2.shape)
-    return _launch(d_out, (w2.stride(0), w2.stride(1)), w2, None, hidden, w2.shape[1], True, config)
+    return _launch(d_out, w2, True, None, hidden, w2.shape[1], True, config)
 
 
 # ------------------------------------------------------------------------------------------------
