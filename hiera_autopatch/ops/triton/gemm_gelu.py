@@ -1,4 +1,4 @@
-"""Experiment, not wired into any patch: the MLP's GEMMs with FAIR's erf-GELU in their epilogue.
+"""Experiment, off by default: the MLP's GEMMs with FAIR's erf-GELU in their epilogue.
 
 The graphed step runs a Hiera MLP as cuBLAS GEMMs plus Inductor's elementwise GELU kernels (3.5 ms
 of Hiera-B MAE's 28 ms step on the H200, benchmarks/results/h200_profile_final.json). Those kernels
@@ -20,6 +20,7 @@ times the bf16 ``d_act``. Whether this beats cuBLAS + Inductor on Hiera's shapes
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -223,8 +224,6 @@ def matmul_gelu_backward(d_out: torch.Tensor, w2: torch.Tensor, hidden: torch.Te
 
 def supports(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """2-D inputs of one float dtype, on CUDA (or on the CPU in Triton's interpreter, for tests)."""
-    import os
-
     on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
     return (HAS_TRITON and on_device and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and all(w.dtype == x.dtype and w.device == x.device for w in weights))
