@@ -89,6 +89,9 @@ def main(argv=None) -> int:
     compile_ = (lambda fn: torch.compile(fn, dynamic=False)) if dev == "cuda" else (lambda fn: fn)
 
     for name in [n for n in args.shapes.split(",") if n]:
+        if time.time() - started > args.budget_s:
+            results["not_run"] = results.get("not_run", []) + [name]  # no time left for its baselines
+            continue
         tokens, C, Hid, calls = SHAPES[name]
         if dev == "cpu":  # tiny, odd sizes: masks on every edge
             M, C, Hid = 37, 24, 40
