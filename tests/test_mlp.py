@@ -3,6 +3,7 @@ for backward, and when the block patch must keep timm's module call."""
 
 import pytest
 import torch
+from conftest import gemm_gelu_experiment_on
 from timm.layers import Mlp
 
 from hiera_autopatch.ops import mlp as mlp_ops
@@ -163,16 +164,7 @@ def test_fused_gelu_gemm_experiment_matches_timm_mlp(monkeypatch, dtype, atol, r
     """``fused_gelu_gemm`` on (Triton's interpreter on the CPU): both custom ops run, once each, in
     GeluMlp's forward and backward (also traced by torch.compile), and every output and gradient
     matches timm's Mlp."""
-    from hiera_autopatch.ops.triton import gemm_gelu
-
-    if not gemm_gelu.HAS_TRITON or (not torch.cuda.is_available() and type(gemm_gelu._gemm_gelu_kernel).__name__
-                                    != "InterpretedFunction"):
-        pytest.skip("needs Triton (its interpreter on the CPU)")
-    calls = []
-    for name in ("linear_gelu", "matmul_gelu_backward"):
-        kernel = getattr(gemm_gelu, name)
-        monkeypatch.setattr(gemm_gelu, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
-    monkeypatch.setattr(mlp_ops, "fused_gelu_gemm", True)
+    calls = gemm_gelu_experiment_on(monkeypatch)
     torch.manual_seed(0)
     module = Mlp(24, 40).to(dtype)
     x, upstream = torch.randn(2, 19, 24, dtype=dtype), torch.randn(2, 19, 24, dtype=dtype)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import hiera_autopatch
+from conftest import gemm_gelu_experiment_on
 from equivalence import assert_equivalent, fair_model, input_for, low_precision_check, run_step
 
 hiera = pytest.importorskip("hiera")
@@ -291,16 +292,7 @@ def test_a_dropped_model_is_freed_with_its_graphs(graphs):
 def test_gemm_gelu_experiment_in_the_whole_step_matches_fair(graphs, monkeypatch):
     """profile_step's +gemm_gelu (``mlp.fused_gelu_gemm``): every block's MLP runs both fused GEMMs
     (Triton's interpreter here) inside the graphed step, and the step still matches FAIR."""
-    from hiera_autopatch.ops import mlp as mlp_ops
-    from hiera_autopatch.ops.triton import gemm_gelu
-
-    if not gemm_gelu.HAS_TRITON or type(gemm_gelu._gemm_gelu_kernel).__name__ != "InterpretedFunction":
-        pytest.skip("needs Triton's interpreter")
-    calls = []
-    for name in ("linear_gelu", "matmul_gelu_backward"):
-        kernel = getattr(gemm_gelu, name)
-        monkeypatch.setattr(gemm_gelu, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
-    monkeypatch.setattr(mlp_ops, "fused_gelu_gemm", True)
+    calls = gemm_gelu_experiment_on(monkeypatch)
     model, x = model_and_input()
     blocks = sum(1 for m in model.modules() if type(m).__name__ == "HieraBlock")
     step = lambda m, x: m(x, mask_ratio=0.6)  # noqa: E731

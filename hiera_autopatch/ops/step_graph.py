@@ -221,8 +221,8 @@ def run(step: Callable, module: torch.nn.Module, x: torch.Tensor, mask: torch.Te
         _broken[step] = repr(exc)
         _warn_once(f"broken {id(step)}", f"CUDA graphs off for this model ({exc!r}); running eagerly")
         return step(module, x, mask, n_keep)
-    # replayed before the autograd Function is entered: its bookkeeping of ~400 inputs (~0.1 ms of
-    # host time) then runs while the GPU already works, not in front of it
+    # replayed before the autograd Function is entered: its bookkeeping of ~400 inputs then runs
+    # while the GPU already works, not in front of it
     graph.replay(x, mask)
     if not graph.with_grad:
         return tuple(out.clone() for out in graph.outputs)
