@@ -38,3 +38,22 @@ def kernel_ms(fn, device: str, warmup: int = 3) -> float:
         fn()
         return (time.perf_counter() - t) * 1e3
     return graph_replay_ms(fn, warmup=warmup)
+
+
+def results_header(batch: int, device: str) -> dict:
+    """The JSON head of a kernel script's results: its command line, batch, torch and GPU."""
+    import sys
+
+    import torch
+
+    return {"command": " ".join(sys.argv), "batch": batch, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)", "shapes": {}}
+
+
+def save_json(path, results: dict) -> None:
+    """Write ``results`` to ``path`` (no path: nothing), after every shape, so a run cut short keeps them."""
+    if path:
+        import json
+
+        with open(path, "w") as fh:
+            json.dump(results, fh, indent=1)

@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-from _timing import kernel_ms  # scripts/, this script's directory
+from _timing import kernel_ms, results_header, save_json  # scripts/, this script's directory
 
 # name: (tokens per sample, width C, hidden Hid, MLP calls per step) for Hiera-B MAE at 224 px,
 # mask 0.6 (19 of 49 mask units kept): stage s has 19*64/4^(s-1) tokens; the decoder sees all 196
@@ -73,13 +73,10 @@ def main(argv=None) -> int:
 
     dev = args.device
     started = time.time()
-    results = {"command": " ".join(sys.argv), "batch": args.batch, "torch": torch.__version__,
-               "gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)", "shapes": {}}
+    results = results_header(args.batch, dev)
 
     def save():
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(results, fh, indent=1)
+        save_json(args.json, results)
 
     def gpu_ms(fn):
         return kernel_ms(fn, dev)

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
 
-from _timing import kernel_ms  # scripts/, this script's directory
+from _timing import kernel_ms, results_header, save_json  # scripts/, this script's directory
 
 
 def _pow2_upto(limit: int, low: int = 16, high: int = 256):
@@ -75,13 +74,10 @@ def main(argv=None) -> int:
     started = time.time()
     dev = args.device
     shapes = {s[0]: s for s in wa.HIERA_B_SHAPES}
-    results = {"command": " ".join(sys.argv), "batch": args.batch, "torch": torch.__version__,
-               "gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)", "shapes": {}}
+    results = results_header(args.batch, dev)
 
     def save():
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(results, fh, indent=1)
+        save_json(args.json, results)
 
     def gpu_ms(fn):
         return kernel_ms(fn, dev, warmup=2)
