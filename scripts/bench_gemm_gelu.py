@@ -44,12 +44,16 @@ BLOCKS = (  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the usual Hopp
 )
 
 
-def candidates():
-    """Each of ``BLOCKS`` with tiles fetched by tensor descriptors (TMA), then by pointers: 16
-    configs, so that Triton's compiles (a second or two each, shared by shapes) fit a short run."""
-    for tma, (bm, bn, bk, warps, stages) in itertools.product((1, 0), BLOCKS):
+FETCHES = {"persistent": {"TMA": 1, "PERSISTENT": 1}, "tma": {"TMA": 1}, "pointers": {"TMA": 0}}
+"""how a config fetches its tiles: persistent TMA (one program per SM), TMA, pointers"""
+
+
+def candidates(fetches=tuple(FETCHES.values())):
+    """Each of ``BLOCKS`` with each way of fetching tiles: 24 configs, so that Triton's compiles (a
+    second or two each, shared by shapes) fit a short run."""
+    for fetch, (bm, bn, bk, warps, stages) in itertools.product(fetches, BLOCKS):
         yield {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
-               "TMA": tma}
+               **fetch}
 
 
 def rel_err(a, b) -> float:
@@ -62,6 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting configs after this")
+    ap.add_argument("--fetch", default=",".join(FETCHES), help="which of persistent,tma,pointers to try")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -116,7 +121,7 @@ def main(argv=None) -> int:
                     "rel_err": max(rel_err(o, r) for o, r in zip(base_out, ref))}
             bound = 2 * max(base["rel_err"], 1e-3)
             trials = []
-            for cfg in candidates():
+            for cfg in candidates(tuple(FETCHES[name] for name in args.fetch.split(","))):
                 if time.time() - started > args.budget_s:
                     entry["cut_short"] = True
                     break

@@ -55,13 +55,17 @@ def _check(M, C, Hid, dtype, device, config, bias=True):
     _assert_close("act (backward)", act2, ref_act2, dtype)
 
 
+FETCH = {"pointers": {"TMA": 0}, "descriptors": {"TMA": 1},
+         "persistent": {"TMA": 1, "PERSISTENT": 1}}  # persistent: 4 programs (interpreter) walk the tiles
+
+
 @cpu_only
-@pytest.mark.parametrize("tma", [0, 1], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("fetch", list(FETCH))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("M,C,Hid,bias", [(37, 24, 40, True), (16, 16, 16, True), (50, 40, 24, False)],
                          ids=["odd", "one-tile", "no-bias"])
-def test_cpu_matches_the_unfused_ops(M, C, Hid, bias, dtype, tma):
-    _check(M, C, Hid, dtype, "cpu", {**SMALL, "TMA": tma}, bias)
+def test_cpu_matches_the_unfused_ops(M, C, Hid, bias, dtype, fetch):
+    _check(M, C, Hid, dtype, "cpu", {**SMALL, **FETCH[fetch]}, bias)
 
 
 @cpu_only
@@ -87,7 +91,7 @@ def test_cpu_bench_script_dry_run(tmp_path):
 
 
 @gpu_only
-@pytest.mark.parametrize("tma", [0, 1], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("fetch", list(FETCH))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_gpu_decoder_shape(dtype, tma):
-    _check(128 * 196 + 3, 512, 2048, dtype, "cuda", {"TMA": tma})
+def test_gpu_decoder_shape(dtype, fetch):
+    _check(128 * 196 + 3, 512, 2048, dtype, "cuda", FETCH[fetch])

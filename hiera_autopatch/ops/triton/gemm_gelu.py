@@ -39,7 +39,8 @@ except Exception:  # pragma: no cover - depends on the environment
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4,
                   "TMA": 0}
 """TMA 1: tiles fetched by tensor descriptors (needs 16-byte aligned rows: K and N multiples of 8
-in bf16); 0: by pointers. Untimed: scripts/bench_gemm_gelu.py tries both."""
+in bf16); 0: by pointers. PERSISTENT p (with TMA): p programs per SM walk the tiles. Untimed:
+scripts/bench_gemm_gelu.py tries them."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -162,6 +163,34 @@ if HAS_TRITON:
         _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
+    @triton.jit
+    def _gemm_gelu_persistent_kernel(
+        a_desc, b_desc, BIAS, HIDDEN, OUT, ACT,
+        M, N, K,
+        B_IS_KN: tl.constexpr, BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        N_PROGRAMS: tl.constexpr,
+    ):
+        # The TMA product, persistent: N_PROGRAMS programs walk the tiles, and the tile and K loops
+        # are flattened into one software pipeline, so the next tile's loads overlap this tile's
+        # epilogue (with Hiera's K of 96-1536 the epilogue is a large share of each tile).
+        n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), n_tiles, N_PROGRAMS, flatten=True):
+            pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for kt in range(k_tiles):
+                a = a_desc.load([off_m, kt * BLOCK_K])  # (BLOCK_M, BLOCK_K)
+                if B_IS_KN:
+                    b = b_desc.load([kt * BLOCK_K, off_n])  # (BLOCK_K, BLOCK_N)
+                else:
+                    b = tl.trans(b_desc.load([off_n, kt * BLOCK_K]))  # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
 # ------------------------------------------------------------------------------------------------
 # Launchers
 # ------------------------------------------------------------------------------------------------
@@ -172,6 +201,10 @@ def _config(config: Optional[Dict[str, int]]) -> Dict[str, int]:
     for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
         assert cfg[key] >= 16 and cfg[key] & (cfg[key] - 1) == 0, cfg
     return cfg
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _launch(a, b, b_is_kn: bool, bias, hidden, n_out, backward: bool, config) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +226,12 @@ def _launch(a, b, b_is_kn: bool, bias, hidden, n_out, backward: bool, config) ->
 
             a_desc = TensorDescriptor.from_tensor(a, [BM, BK])
             b_desc = TensorDescriptor.from_tensor(b, [BK, BN] if b_is_kn else [BN, BK])
-            _gemm_gelu_tma_kernel[grid](a_desc, b_desc, *tensors, M, n_out, K, B_IS_KN=b_is_kn, **common)
+            if cfg.get("PERSISTENT"):
+                n_programs = min(grid[0], _sm_count(a.device) * cfg["PERSISTENT"])
+                _gemm_gelu_persistent_kernel[(n_programs,)](a_desc, b_desc, *tensors, M, n_out, K, B_IS_KN=b_is_kn,
+                                                            N_PROGRAMS=n_programs, **common)
+            else:
+                _gemm_gelu_tma_kernel[grid](a_desc, b_desc, *tensors, M, n_out, K, B_IS_KN=b_is_kn, **common)
         else:
             # B's (k, n) element: b[k, n], or b[n, k] for the transposed weight
             b_strides = (b.stride(0), b.stride(1)) if b_is_kn else (b.stride(1), b.stride(0))
