@@ -1,5 +1,4 @@
-"""GPU timing shared by the kernel scripts (bench_attention_kernels.py, tune_attention.py,
-bench_gemm_gelu.py)."""
+"""GPU timing shared by the kernel scripts (bench_attention_kernels.py, tune_attention.py)."""
 
 
 def graph_replay_ms(fn, replays: int = 20, rounds: int = 5, warmup: int = 3) -> float:

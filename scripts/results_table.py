@@ -64,7 +64,6 @@ SWITCH_LABELS = {
     "mix_split32": "LayerNorm-grad partial sums over 32 rows",
     "no_mix": "LayerNorm row and column grads in separate kernels",
     "mix": "Inductor mix-order LayerNorm-grad reductions",
-    "gemm_gelu": "GELU in the MLP GEMMs' epilogue (Triton)",
     "combo": "Inductor combo kernels",
     "no_cudagraphs": "without CUDA graphs",
     "two_graphs": "forward and backward as two graphs (reduce-overhead)",

@@ -42,23 +42,6 @@ def import_script(name: str):
         sys.path.pop(0)
 
 
-def gemm_gelu_experiment_on(monkeypatch) -> List[str]:
-    """``mlp.fused_gelu_gemm`` on, for one CPU test; returns the list that records each fused GEMM
-    run ("linear_gelu", "matmul_gelu_backward"). Skips the test unless the kernels run in Triton's
-    interpreter (with a GPU present they are compiled for it and do not take CPU tensors)."""
-    from hiera_autopatch.ops import mlp as mlp_ops
-    from hiera_autopatch.ops.triton import gemm_gelu
-
-    if not (gemm_gelu.HAS_TRITON and type(gemm_gelu._gemm_gelu_kernel).__name__ == "InterpretedFunction"):
-        pytest.skip("needs Triton's interpreter (a machine without a GPU)")
-    calls: List[str] = []
-    for name in ("linear_gelu", "matmul_gelu_backward"):
-        kernel = getattr(gemm_gelu, name)
-        monkeypatch.setattr(gemm_gelu, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
-    monkeypatch.setattr(mlp_ops, "fused_gelu_gemm", True)
-    return calls
-
-
 def clean_env(env: Optional[Mapping[str, Optional[str]]] = None) -> Dict[str, str]:
     """os.environ without any HIERA_OPTIM* or torchrun variable, plus ``env`` (a None value removes).
 

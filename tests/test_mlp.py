@@ -3,7 +3,6 @@ for backward, and when the block patch must keep timm's module call."""
 
 import pytest
 import torch
-from conftest import gemm_gelu_experiment_on
 from timm.layers import Mlp
 
 from hiera_autopatch.ops import mlp as mlp_ops
@@ -156,23 +155,3 @@ def test_fair_block_patch_saves_less_and_matches(monkeypatch):
     assert g_fair.keys() == g_ours.keys()
     for name in g_fair:
         torch.testing.assert_close(g_ours[name], g_fair[name], atol=1e-6, rtol=1e-6, msg=name)
-
-
-@pytest.mark.parametrize("dtype, atol, rtol", [(torch.float32, 1e-5, 1e-5), (torch.float16, 2e-3, 2e-3)])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_fused_gelu_gemm_experiment_matches_timm_mlp(monkeypatch, dtype, atol, rtol, compiled):
-    """``fused_gelu_gemm`` on (Triton's interpreter on the CPU): both custom ops run, once each, in
-    GeluMlp's forward and backward (also traced by torch.compile), and every output and gradient
-    matches timm's Mlp."""
-    calls = gemm_gelu_experiment_on(monkeypatch)
-    torch.manual_seed(0)
-    module = Mlp(24, 40).to(dtype)
-    x, upstream = torch.randn(2, 19, 24, dtype=dtype), torch.randn(2, 19, 24, dtype=dtype)
-    reference = run(module, module, x, upstream)
-    fn = lambda t: mlp_ops.gelu_mlp(module, t)  # noqa: E731
-    if compiled:
-        torch._dynamo.reset()
-        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
-    fused = run(fn, module, x, upstream)
-    assert calls == ["linear_gelu", "matmul_gelu_backward"]
-    assert_same(reference, fused, atol, rtol)

@@ -24,20 +24,6 @@ import torch.nn.functional as F
 from torch.nn.modules import module as module_globals
 
 
-fused_gelu_gemm = False
-"""Experiment, off: GeluMlp's GEMMs carry GELU in their epilogue (``ops/triton/gemm_gelu.py``), for
-``scripts/profile_step.py``'s ``+gemm_gelu`` A/B. Not measured on a GPU yet."""
-
-
-def _fused_kernels(x2: torch.Tensor, *weights: torch.Tensor):
-    """ops/triton/gemm_gelu when the experiment is on and takes these tensors, else None."""
-    if not fused_gelu_gemm:
-        return None
-    from .triton import gemm_gelu
-
-    return gemm_gelu if gemm_gelu.supports(x2, *weights) else None
-
-
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     try:
         if torch.is_autocast_enabled(device_type):
@@ -84,18 +70,10 @@ class GeluMlp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2):
-        x2 = x.reshape(-1, x.shape[-1])  # (M, C)
-        kernels = _fused_kernels(x2, w1, w2, *[b for b in (b1, b2) if b is not None])
-        if kernels is not None:
-            hidden2, act2 = kernels.linear_gelu_op(x2, w1, b1)  # (M, Hid) each, one GEMM
-            hidden = hidden2.view(*x.shape[:-1], hidden2.shape[-1])  # (..., Hid)
-            out = F.linear(act2, w2, b2).view(*x.shape[:-1], w2.shape[0])  # (..., C)
-        else:
-            hidden = F.linear(x, w1, b1)  # (..., Hid)
-            out = F.linear(F.gelu(hidden), w2, b2)  # (..., C)
+        hidden = F.linear(x, w1, b1)  # (..., Hid)
+        out = F.linear(F.gelu(hidden), w2, b2)  # (..., C)
         ctx.save_for_backward(x, hidden, w1, w2)
         ctx.has_bias = (b1 is not None, b2 is not None)
-        ctx.fused = kernels is not None
         return out
 
     @staticmethod
@@ -106,19 +84,12 @@ class GeluMlp(torch.autograd.Function):
             d_out2 = d_out.reshape(-1, d_out.shape[-1])  # (M, C)
             hidden2 = hidden.reshape(-1, hidden.shape[-1])  # (M, Hid)
             d_x = d_w1 = d_b1 = d_w2 = d_b2 = None
-            if ctx.fused:  # fc2's data gradient with GELU' (and GELU, for fc2's weight) in one GEMM
-                from .triton import gemm_gelu
-
-                d_hidden2, act2 = gemm_gelu.matmul_gelu_backward_op(d_out2, w2, hidden2)  # (M, Hid) each
-                d_hidden = d_hidden2.view(hidden.shape)
-            else:
-                act2 = F.gelu(hidden2) if need_w2 else None  # (M, Hid), GELU recomputed
-                d_hidden = torch.ops.aten.gelu_backward(d_out.matmul(w2), hidden)  # (..., Hid)
-                d_hidden2 = d_hidden.reshape(-1, d_hidden.shape[-1])
             if need_w2:
-                d_w2 = d_out2.t().mm(act2)  # (C, Hid)
+                d_w2 = d_out2.t().mm(F.gelu(hidden2))  # (C, Hid), GELU recomputed
             if need_b2 and ctx.has_bias[1]:
                 d_b2 = d_out2.sum(0)
+            d_hidden = torch.ops.aten.gelu_backward(d_out.matmul(w2), hidden)  # (..., Hid)
+            d_hidden2 = d_hidden.reshape(-1, d_hidden.shape[-1])
             if need_w1:
                 d_w1 = d_hidden2.t().mm(x.reshape(-1, x.shape[-1]))  # (Hid, C_in)
             if need_b1 and ctx.has_bias[0]:
