@@ -108,12 +108,14 @@ CPU_CASES = [
     pytest.param(1, 3, 16, 1, 24, 4, {"G": 2, "BLOCK_M": 16, "BLOCK_N": 16},
                  id="G2-groups-span-blocks"),
     pytest.param(2, 2, 32, 2, 24, 2, {"BLOCK_M": 16, "BLOCK_N": 16}, id="B2-H2-nw2-multiblock"),
-    # the MAE decoder's shape with its tuned default blocks (64 keys: four key blocks, partial last)
-    pytest.param(1, 1, 196, 2, 32, 1, None, id="decoder-T196-D32-tuned"),
+    # the MAE decoder's shape with its tuned blocks (TUNED is for 2-byte dtypes: given explicitly)
+    pytest.param(1, 1, 196, 2, 32, 1, wa.TUNED[(196, 1, 32)], id="decoder-T196-D32-tuned"),
     # the q-pooled stage 2/3 windows with their tuned blocks: a forward over two 32-key blocks per
     # window, a one-pass backward; stage 3's 4 windows a program, the last group partial
-    pytest.param(1, 2, 64, 1, 96, 4, None, id="stage2-pool-T64-S4-D96-tuned"),
-    pytest.param(1, 5, 16, 1, 96, 4, None, id="stage3-pool-T16-S4-D96-tuned"),
+    pytest.param(1, 2, 64, 1, 96, 4, wa.TUNED[(64, 4, 96)], id="stage2-pool-T64-S4-D96-tuned"),
+    pytest.param(1, 5, 16, 1, 96, 4, wa.TUNED[(16, 4, 96)], id="stage3-pool-T16-S4-D96-tuned"),
+    # stage 3's global attention, fp32's 64-key blocks (its bf16 128x128 tile needs no masking)
+    pytest.param(1, 1, 76, 1, 96, 1, None, id="stage3-global-T76-D96"),
     # forward and backward tiled differently: multi-block forward, one-pass (single key block)
     # backward, and the other way round
     pytest.param(1, 1, 40, 2, 24, 4, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_M_BWD": 16, "BLOCK_N_BWD": 64},
@@ -191,6 +193,20 @@ def test_config_backward_keys_follow_the_forward_unless_set(monkeypatch):
     assert list(untuned) == list(wa._CONFIG_KEYS)
     with pytest.raises(AssertionError):
         wa.full_config({"BLOCK_N_BWD": 48}, 64, 1, 96, 19)  # not a power of two
+
+
+def test_fp32_blocks_fit_hopper_shared_memory():
+    """TUNED (bf16) leaves fp32 alone, and fp32 key blocks hold at most 32 KB of k: compiled for
+    sm_90, stage 3's tuned 128x128 forward took 256 KB of shared memory in fp32 (227 KB fit), and
+    the rule's 128-key pooled backward of stage 4 240 KB; with 64-key blocks the largest is 168 KB."""
+    bf16 = wa.full_config(None, 76, 1, 96, 1, itemsize=2)
+    assert (bf16["BLOCK_M"], bf16["BLOCK_N"], bf16["BLOCK_N_BWD"]) == (128, 128, 128)  # TUNED
+    for T, S in ((76, 1), (76, 4), (196, 1)):
+        fp32 = wa.full_config(None, T, S, 96, 1, itemsize=4)
+        assert fp32["BLOCK_N"] == fp32["BLOCK_N_BWD"] == 64, (T, S, fp32)
+        assert fp32["BLOCK_M"] <= 64 and fp32["num_warps_bwd"] == 4, (T, S, fp32)
+    assert wa.full_config(None, 196, 1, 32, 1, itemsize=4)["BLOCK_N"] == 128  # head_dim 32: 16 KB
+    assert wa.full_config(None, 196, 1, 32, 1, itemsize=2) == wa.full_config(wa.TUNED[(196, 1, 32)], 196, 1, 32, 1)
 
 
 @cpu_only

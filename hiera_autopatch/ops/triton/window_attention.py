@@ -442,23 +442,29 @@ TUNED: Dict[Tuple[int, int, int], Dict[str, int]] = {
 }
 
 
-def default_config(T: int, q_stride: int, D: int, num_windows: int = 1 << 30) -> Dict[str, int]:
+def default_config(T: int, q_stride: int, D: int, num_windows: int = 1 << 30, itemsize: int = 2) -> Dict[str, int]:
     """Block sizes for one (T, S, D, nw). Memory-bound: the aim is full tiles, not fewer FLOPs.
 
     G windows per program so that a group's keys fill a 64-key tile (T=16 -> G=4; never more
     than nw); keys in blocks of at most 128; at least 16 rows/cols (tl.dot's minimum). Warps: 4,
     and 8 for a backward that holds 128x128 k/v/dk/dv tiles; on the H200 sweep this was the best
     choice for every Hiera-B shape, or within 2% of it. ``TUNED`` overrides blocks per shape
-    (measured at this rule's G).
+    (measured at this rule's G, in bf16: 2-byte dtypes only).
+
+    ``itemsize`` 4 (fp32): tiles take twice the bytes, so a key block holds at most 32 KB of k (64
+    keys at head_dim 96) and ``TUNED`` does not apply. Compiled for sm_90 (Triton 3.6), the largest
+    fp32 kernel of a Hiera-B shape then takes 168 KB of shared memory, of the 227 KB an H200 block
+    may use; TUNED's 128x128 forward took 256 KB in fp32, the rule's stage-4 pooled backward 240 KB.
     """
     Tq = T // q_stride
     G = max(1, min(64 // T, num_windows))
     block_d = max(16, _next_pow2(D))
     config = {"G": G,
               "BLOCK_M": max(16, min(64, _next_pow2(G * Tq))),
-              "BLOCK_N": max(16, min(128, _next_pow2(G * T))),
+              "BLOCK_N": max(16, min(128, _next_pow2(G * T), 32768 // (block_d * itemsize))),
               "num_warps": 4, "num_stages": 2}
-    config.update(TUNED.get((T, q_stride, D), {}))
+    if itemsize == 2:
+        config.update(TUNED.get((T, q_stride, D), {}))
     # backward holds k, v, dk, dv (BLOCK_N x BLOCK_D) and P, dP, dS (BLOCK_M x BLOCK_N) at once
     block_n_bwd = config.get("BLOCK_N_BWD", config["BLOCK_N"])
     config.setdefault("num_warps_bwd", 8 if block_n_bwd * block_d >= 128 * 128 else 4)
@@ -481,13 +487,13 @@ _CONFIG_KEYS = ("G", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
 
 
 def full_config(config: Optional[Dict[str, int]], T: int, q_stride: int, D: int,
-                num_windows: int) -> Dict[str, int]:
+                num_windows: int, itemsize: int = 2) -> Dict[str, int]:
     """``default_config`` updated with ``config``, every key of ``_CONFIG_KEYS`` filled in.
 
     A backward key the caller leaves out follows the forward one, unless ``default_config`` set it
     and the caller did not touch the forward one either."""
     explicit = config or {}
-    cfg = default_config(T, q_stride, D, num_windows)
+    cfg = default_config(T, q_stride, D, num_windows, itemsize)
     cfg.update(explicit)
     for bwd_key, fwd_key in BWD_KEYS.items():
         if bwd_key not in explicit and (fwd_key in explicit or bwd_key not in cfg):
@@ -517,7 +523,7 @@ def window_attention_forward(
     """qkv (B, N, 3*H*D) -> out (B, Tq*nw, H*D), lse (B, H, nw, Tq) fp32 (base-2 log-sum-exp)."""
     qkv = qkv.contiguous()
     B, N, D, T, Tq = _dims(qkv, num_windows, heads, q_stride)
-    cfg = full_config(config, T, q_stride, D, num_windows)
+    cfg = full_config(config, T, q_stride, D, num_windows, qkv.dtype.itemsize)
     G, BM, BN, BD = cfg["G"], cfg["BLOCK_M"], cfg["BLOCK_N"], max(16, _next_pow2(D))
     if out is None:
         out = torch.empty(B, Tq * num_windows, heads * D, device=qkv.device, dtype=qkv.dtype)
@@ -548,7 +554,7 @@ def window_attention_backward(
     qkv = qkv.contiguous()
     dout = dout.contiguous()
     B, N, D, T, Tq = _dims(qkv, num_windows, heads, q_stride)
-    cfg = full_config(config, T, q_stride, D, num_windows)
+    cfg = full_config(config, T, q_stride, D, num_windows, qkv.dtype.itemsize)
     G, BM, BN, BD = cfg["G"], cfg["BLOCK_M_BWD"], cfg["BLOCK_N_BWD"], max(16, _next_pow2(D))
     if dqkv is None:
         dqkv = torch.empty_like(qkv)
@@ -593,7 +599,7 @@ def window_attention_backward(
 def _config_list(config: Optional[Dict[str, int]], qkv: torch.Tensor, num_windows: int, heads: int,
                  q_stride: int) -> List[int]:
     B, N, D, T, Tq = _dims(qkv, num_windows, heads, q_stride)
-    resolved = full_config(config, T, q_stride, D, num_windows)
+    resolved = full_config(config, T, q_stride, D, num_windows, qkv.dtype.itemsize)
     return [resolved[key] for key in _CONFIG_KEYS]
 
 
