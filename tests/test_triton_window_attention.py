@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from conftest import import_script
+from conftest import REPO, import_script, run_python
 
 _HAS_CUDA = torch.cuda.is_available()
 if not _HAS_CUDA:
@@ -195,7 +195,7 @@ def test_config_backward_keys_follow_the_forward_unless_set(monkeypatch):
         wa.full_config({"BLOCK_N_BWD": 48}, 64, 1, 96, 19)  # not a power of two
 
 
-def test_fp32_blocks_fit_hopper_shared_memory():
+def test_fp32_takes_the_rule_with_at_most_32kb_key_blocks():
     """TUNED (bf16) leaves fp32 alone, and fp32 key blocks hold at most 32 KB of k: compiled for
     sm_90, stage 3's tuned 128x128 forward took 256 KB of shared memory in fp32 (227 KB fit), and
     the rule's 128-key pooled backward of stage 4 240 KB; with 64-key blocks the largest is 168 KB."""
@@ -207,6 +207,28 @@ def test_fp32_blocks_fit_hopper_shared_memory():
         assert fp32["BLOCK_M"] <= 64 and fp32["num_warps_bwd"] == 4, (T, S, fp32)
     assert wa.full_config(None, 196, 1, 32, 1, itemsize=4)["BLOCK_N"] == 128  # head_dim 32: 16 KB
     assert wa.full_config(None, 196, 1, 32, 1, itemsize=2) == wa.full_config(wa.TUNED[(196, 1, 32)], 196, 1, 32, 1)
+
+
+def test_launch_configs_fit_hopper_shared_memory(tmp_path):
+    """scripts/check_shared_memory.py compiles the kernels for sm_90 with Triton's compiler and
+    ptxas, no GPU needed: the configs the launchers pick for the three largest-tile shapes (TUNED
+    in bf16, the rule in fp32) fit an H200 block's 227 KB, and one that does not is reported."""
+    pytest.importorskip("triton")
+    import json
+
+    script = str(REPO / "scripts" / "check_shared_memory.py")
+    env = {"TRITON_INTERPRET": None, "PYTHONPATH": str(REPO)}
+    out = tmp_path / "smem.json"
+    run = run_python([script, "--shapes", "stage3-global-mae,stage4-pool-global,decoder",
+                      "--dtypes", "bf16,fp32", "--json", str(out)], env=env, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert len(report["results"]) == 6 and report["limit_bytes"] == 227 * 1024
+    for entry in report["results"]:
+        assert entry["fits"] and 0 < max(entry["shared_bytes"].values()) <= report["limit_bytes"], entry
+    too_big = run_python([script, "--shapes", "stage3-global-mae", "--dtypes", "bf16",
+                          "--config", '{"BLOCK_M": 128, "BLOCK_N": 256, "num_stages": 3}'], env=env, timeout=600)
+    assert too_big.returncode == 1 and "does not fit" in too_big.stdout, too_big.stdout + too_big.stderr
 
 
 @cpu_only

@@ -452,7 +452,7 @@ def default_config(T: int, q_stride: int, D: int, num_windows: int = 1 << 30, it
     (measured at this rule's G, in bf16: 2-byte dtypes only).
 
     ``itemsize`` 4 (fp32): tiles take twice the bytes, so a key block holds at most 32 KB of k (64
-    keys at head_dim 96) and ``TUNED`` does not apply. Compiled for sm_90 (Triton 3.6), the largest
+    keys at head_dim 96) and ``TUNED`` does not apply. Compiled for sm_90 (Triton 3.8), the largest
     fp32 kernel of a Hiera-B shape then takes 168 KB of shared memory, of the 227 KB an H200 block
     may use; TUNED's 128x128 forward took 256 KB in fp32, the rule's stage-4 pooled backward 240 KB.
     """
