@@ -803,6 +803,33 @@ def _dynamo_counts() -> dict:
         return {}
 
 
+WARMUP_MIN_S = 2.0
+"""On a GPU, warm-up goes on until this long has passed since its first step ended (that step
+compiles, where anything does): a side that starts on an idle GPU ramped up over its first timed
+steps in session 10's graphs bench (benchmarks/results/h200_bench_graphs.json: FAIR eager's first
+synchronised steps 160 and 142 ms, its median 118.5)."""
+
+
+def warm_up(step: "Step", spec: Spec, device: torch.device, progress, note: str) -> Tuple[Optional[float], float, int]:
+    """``spec.warmup`` untimed steps; on a GPU, more (up to 10x as many) until ``WARMUP_MIN_S`` have
+    passed after the first. None at all with ``warmup=0``. -> (first step s, total s, steps run)."""
+    t0 = time.perf_counter()
+    first: Optional[float] = None
+    most = spec.warmup * 10 if device.type == "cuda" else spec.warmup
+    n = 0
+    while n < spec.warmup or (n < most and time.perf_counter() - t0 - first < WARMUP_MIN_S):
+        step.zero_grad()
+        torch.manual_seed(spec.seed + 1000 + n)
+        step()
+        sync(device)
+        if first is None:
+            first = time.perf_counter() - t0
+        if n < spec.warmup:  # the progress bar counts spec.warmup steps per side
+            progress.update(1, note)
+        n += 1
+    return first, time.perf_counter() - t0, n
+
+
 def run_in_process(spec: Spec, device: torch.device, progress=None) -> dict:
     """Eager A/B on one model instance: warm-up, numerics, then interleaved timed steps (AB BA AB ...)."""
     progress = progress or _NullProgress()
@@ -814,14 +841,8 @@ def run_in_process(spec: Spec, device: torch.device, progress=None) -> dict:
         for side in SIDES:
             apply_side(side, built.extra_modules, spec.patch_options)
             sides[side]["patches"] = patch_summary(model_modules(built.model))
-            t0 = time.perf_counter()
-            for i in range(spec.warmup):
-                step.zero_grad()
-                torch.manual_seed(spec.seed + 1000 + i)
-                step()
-                sync(device)
-                progress.update(1, f"{spec.mode} warm-up {side}")
-            sides[side]["warmup_s"] = time.perf_counter() - t0
+            _, sides[side]["warmup_s"], sides[side]["warmup_steps"] = warm_up(
+                step, spec, device, progress, f"{spec.mode} warm-up {side}")
             sides[side]["compile_s"] = None
         step.zero_grad()
         if spec.numerics:
@@ -923,17 +944,7 @@ def run_isolated_side(
     # Peak memory over warm-up and timed steps alike: a CUDA graph takes its memory at capture (in
     # warm-up) and a replay allocates nothing, so a peak counted from the timed steps alone misses it.
     reset_peak(device)
-    t0 = time.perf_counter()
-    first = None
-    for i in range(spec.warmup):
-        step.zero_grad()
-        torch.manual_seed(spec.seed + 1000 + i)
-        step()
-        sync(device)
-        if first is None:
-            first = time.perf_counter() - t0
-        progress.update(1, f"{spec.mode} warm-up {side}")
-    total = time.perf_counter() - t0
+    first, total, result["warmup_steps"] = warm_up(step, spec, device, progress, f"{spec.mode} warm-up {side}")
     compiles = spec.mode != "eager" or (side == "patched" and spec.patch_options.get("graphs"))
     if not compiles:
         result["compile_s"], result["warmup_s"] = None, total

@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(GPU default bf16, CPU fp32)")
     p.add_argument("--mode", choices=MODE_CHOICES, default="eager", help="eager (default), compile, reduce-overhead or all")
     p.add_argument("--steps", type=_positive_int, help="timed steps per side (GPU default 20, CPU 5)")
-    p.add_argument("--warmup", type=_nonneg_int, help="untimed steps per side before timing (GPU 3, CPU 1)")
+    p.add_argument("--warmup", type=_nonneg_int, help="untimed steps per side before timing (GPU 3, CPU 1); on a GPU more until 2 s have passed after the first")
     p.add_argument("--mask-ratio", type=_ratio, default=None, help="MAE mask ratio (FAIR default 0.6)")
     p.add_argument("--task", choices=("auto", "mae", "cls"), default="auto",
                    help="mae: loss = model(x)[0]; cls: cross-entropy on the logits; auto: by forward's signature")

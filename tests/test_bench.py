@@ -445,3 +445,49 @@ def test_profile_step_inductor_switches_add_to_the_graphed_options():
     assert profile_step.inductor_options(["kept_embed", "one_graph", "coord_descent"]) == {
         "coordinate_descent_tuning": True}
     assert step_graph.backward_graph  # the shipped default: the backward a graph of its own
+
+
+class _CountingStep:
+    """Stands in for _bench_run.Step: counts calls and the seed each ran under, sleeping ``s``."""
+
+    def __init__(self, s: float):
+        self.s, self.seeds = s, []
+
+    def zero_grad(self):
+        pass
+
+    def __call__(self):
+        import time
+
+        import torch
+
+        self.seeds.append(torch.initial_seed())
+        time.sleep(self.s)
+
+
+def test_warm_up_runs_longer_on_a_gpu_only(monkeypatch):
+    """warm_up: spec.warmup steps on the CPU; on a GPU more, until WARMUP_MIN_S have passed after
+    the first (at most 10x spec.warmup); none with warmup=0. Seeds continue from spec.seed + 1000."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(_bench_run, "sync", lambda device: None)
+    monkeypatch.setattr(_bench_run, "WARMUP_MIN_S", 0.05)
+    spec = _bench_run.Spec(model="m", warmup=2, seed=7)
+    cpu, gpu = SimpleNamespace(type="cpu"), SimpleNamespace(type="cuda")
+    progress = _bench_run._NullProgress()
+
+    step = _CountingStep(0.001)
+    first, total, n = _bench_run.warm_up(step, spec, cpu, progress, "")
+    assert n == 2 and step.seeds == [1007, 1008] and 0 < first <= total
+
+    step = _CountingStep(0.01)  # 0.05 s after the first: about 5 more steps, within the cap of 20
+    first, total, n = _bench_run.warm_up(step, spec, gpu, progress, "")
+    assert 4 <= n < 20 and total - first >= 0.05 and step.seeds == list(range(1007, 1007 + n))
+
+    step = _CountingStep(0.02)
+    monkeypatch.setattr(_bench_run, "WARMUP_MIN_S", 10.0)
+    assert _bench_run.warm_up(step, spec, gpu, progress, "")[2] == 20  # capped at 10x spec.warmup
+
+    step = _CountingStep(0.0)
+    first, _, n = _bench_run.warm_up(step, _bench_run.Spec(model="m", warmup=0), gpu, progress, "")
+    assert (first, n, step.seeds) == (None, 0, [])
