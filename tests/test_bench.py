@@ -471,7 +471,7 @@ def test_warm_up_runs_longer_on_a_gpu_only(monkeypatch):
     from types import SimpleNamespace
 
     monkeypatch.setattr(_bench_run, "sync", lambda device: None)
-    monkeypatch.setattr(_bench_run, "WARMUP_MIN_S", 0.05)
+    monkeypatch.setattr(_bench_run, "WARMUP_MIN_S", 0.2)
     spec = _bench_run.Spec(model="m", warmup=2, seed=7)
     cpu, gpu = SimpleNamespace(type="cpu"), SimpleNamespace(type="cuda")
     progress = _bench_run._NullProgress()
@@ -480,9 +480,9 @@ def test_warm_up_runs_longer_on_a_gpu_only(monkeypatch):
     first, total, n = _bench_run.warm_up(step, spec, cpu, progress, "")
     assert n == 2 and step.seeds == [1007, 1008] and 0 < first <= total
 
-    step = _CountingStep(0.01)  # 0.05 s after the first: about 5 more steps, within the cap of 20
-    first, total, n = _bench_run.warm_up(step, spec, gpu, progress, "")
-    assert 4 <= n < 20 and total - first >= 0.05 and step.seeds == list(range(1007, 1007 + n))
+    step = _CountingStep(0.01)  # 0.2 s after the first: about 20 steps, within the cap of 50
+    first, total, n = _bench_run.warm_up(step, _bench_run.Spec(model="m", warmup=5, seed=7), gpu, progress, "")
+    assert 5 < n < 50 and total - first >= 0.2 and step.seeds == list(range(1007, 1007 + n))
 
     step = _CountingStep(0.02)
     monkeypatch.setattr(_bench_run, "WARMUP_MIN_S", 10.0)
