@@ -55,7 +55,8 @@ INDUCTOR_SWITCHES = {
     "mix": {"triton.mix_order_reduction": True},  # Inductor's default: one kernel, ATen sums finish
     "combo": {"combo_kernels": True},  # independent small kernels (e.g. weight-grad sums) as one launch
 }
-SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", *INDUCTOR_SWITCHES)
+SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
+            *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -70,6 +71,7 @@ def parse_mode(mode: str) -> dict:
     tuned_attention (our attention's blocks from ``--attention-tuning``, a tune_attention.py JSON),
     one_graph (the graphed step's backward captured into its forward's graph, not a graph of its own),
     no_capture (the whole step compiled but not captured: its kernels can be traced to host ops),
+    decoder_rows (the MAE decoder's last MLP, norm and head at the masked tokens only: ops/loss.py),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
     """
@@ -284,6 +286,7 @@ def main(argv=None) -> int:
             parser.error(str(exc))
     import hiera_autopatch
     from hiera_autopatch.ops import attention as attention_ops
+    from hiera_autopatch.ops import loss as loss_ops
     from hiera_autopatch.ops import step_graph
     from hiera_autopatch.ops.triton import window_attention
 
@@ -304,6 +307,7 @@ def main(argv=None) -> int:
         step_graph.compile_options = inductor_options(spec["switches"])
         step_graph.backward_graph = "one_graph" not in spec["switches"]
         step_graph.capture = "no_capture" not in spec["switches"]
+        loss_ops.decoder_rows = "decoder_rows" in spec["switches"]
         torch._dynamo.reset()  # each mode compiles afresh: no cache entry of another mode's options
         step_graph.reset()  # and captures afresh
         window_attention.TUNED.clear()

@@ -69,6 +69,7 @@ SWITCH_LABELS = {
     "two_graphs": "forward and backward as two graphs (reduce-overhead)",
     "one_graph": "forward and backward in one graph",
     "no_capture": "compiled whole step, not captured",
+    "decoder_rows": "decoder's last MLP and head at the masked tokens only",
 }
 
 

@@ -355,3 +355,96 @@ def test_kept_token_patch_embedding_traces_as_one_graph(kept_embed):
     assert kept_embed
     assert_equivalent(fair, compiled, FP32_OUT, FP32_GRAD)
     torch._dynamo.reset()
+
+
+# --- the decoder's last MLP, norm and head at the masked tokens only (ops/loss.decoder_rows) ----
+
+
+@pytest.fixture
+def decoder_rows(monkeypatch):
+    """The switch on (an experiment, off by default); the list counts the steps that took it."""
+    from hiera_autopatch.ops import loss
+
+    monkeypatch.setattr(loss, "decoder_rows", True)
+    calls, real = [], loss.masked_mse
+
+    def counted(*args, **kwargs):
+        if kwargs.get("pred_is_masked"):
+            calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loss, "masked_mse", counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "structure, q_pool, mask_ratio, in_chans, video, decoder_depth",
+    [("tiny", 2, 0.6, 3, False, 1), ("base", 2, 0.6, 3, False, 3), ("tiny", 1, 0.5, 1, False, 2),
+     ("tiny", 3, 0.9, 8, False, 2), ("tiny", 2, 0.9, 3, True, 2), ("small", 2, 0.75, 3, True, 1)],
+)
+def test_decoder_rows_match_fair(decoder_rows, structure, q_pool, mask_ratio, in_chans, video, decoder_depth):
+    torch.manual_seed(0)
+    model = fair_model("mae", structure, q_pool=q_pool, in_chans=in_chans, video=video, decoder_depth=decoder_depth)
+    unpatched, patched = run_pair(model, input_for(model), mae_call(mask_ratio))
+    assert decoder_rows, "the masked-rows decoder did not run"
+    assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
+
+
+def test_decoder_rows_off_by_default():
+    from hiera_autopatch.ops import loss
+
+    assert loss.decoder_rows is False
+    model = fair_model("mae", "tiny")
+    assert not type(model).forward_decoder.predicts_rows(model)
+
+
+def test_decoder_rows_with_user_mask_and_bf16_bounded(decoder_rows):
+    torch.manual_seed(0)
+    model = fair_model("mae", "base", decoder_depth=2)
+    x = input_for(model, batch=3)
+    mask = model.get_random_mask(x, mask_ratio=0.6)
+    low_precision_check(model, x, lambda m, x: m(x, mask=mask), dtype=torch.bfloat16, eps=LOW_EPS[torch.bfloat16])
+    assert decoder_rows
+
+
+def test_decoder_rows_trace_as_one_graph(decoder_rows):
+    """Under torch.compile the last block's MLP takes the GELU-recompute Function, on the rows."""
+    torch._dynamo.reset()
+    model = fair_model("mae", "tiny", stages=(1, 1, 1, 1), decoder_depth=2)
+    x = input_for(model)
+    compiled = run_step(model, x, torch.compile(mae_call(), fullgraph=True, backend="aot_eager"))
+    with hiera_autopatch.disabled():
+        fair = run_step(model, x, mae_call())
+    assert decoder_rows
+    assert_equivalent(fair, compiled, FP32_OUT, FP32_GRAD)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m, seen: m.decoder_pred.register_forward_hook(lambda mod, args, out: seen.append(out.shape)),
+        lambda m, seen: m.decoder_blocks[-1].register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape)),
+        lambda m, seen: m.decoder_blocks[-1].mlp.fc2.register_full_backward_hook(
+            lambda mod, gin, gout: seen.append(gout[0].shape)),
+        lambda m, seen: setattr(m.decoder_blocks[-1].mlp, "drop2", torch.nn.Dropout(0.1)),
+        lambda m, seen: setattr(m, "decoder_norm", torch.nn.BatchNorm1d(m.decoder_pos_embed.shape[1])),  # over tokens
+    ],
+)
+def test_decoder_rows_keep_fairs_decoder_where_it_would_show(decoder_rows, change):
+    """A hook, a dropout (its random numbers depend on the row count) or a norm across tokens: the
+    whole decoder runs, so hooks see FAIR's shapes and the results are FAIR's."""
+    torch.manual_seed(0)
+    model = fair_model("mae", "tiny", decoder_depth=2)
+    fair_seen, our_seen = [], []
+    x = input_for(model)
+    with hiera_autopatch.disabled():
+        handle = change(model, fair_seen)
+        fair = run_step(model, x, mae_call())
+    if handle is not None:
+        handle.remove()
+    handle = change(model, our_seen)
+    patched = run_step(model, x, mae_call())
+    assert decoder_rows == []
+    assert our_seen == fair_seen
+    assert_equivalent(fair, patched, FP32_OUT, FP32_GRAD)

@@ -108,6 +108,7 @@ def test_recompute_only_under_compile():
     [
         lambda m: m.fc1.register_forward_hook(lambda *a: None),
         lambda m: m.register_forward_pre_hook(lambda *a: None),
+        lambda m: m.fc2.register_full_backward_hook(lambda *a: None),
         lambda m: setattr(m, "act", torch.nn.GELU(approximate="tanh")),
         lambda m: setattr(m, "act", torch.nn.ReLU()),
         lambda m: setattr(m, "drop1", torch.nn.Dropout(0.1)),

@@ -56,10 +56,15 @@ def keep_mask_units(x: torch.Tensor, keep_idx: torch.Tensor, num_units: int) -> 
     return x.gather(2, index).reshape(batch, -1, channels)  # (B, mu * n_keep, C)
 
 
+def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` of each sample: (B, L, P), (B, n) -> (B, n, P)."""
+    index = idx[..., None].expand(-1, -1, x.shape[-1])  # (B, n, P)
+    return x.gather(1, index)
+
+
 def take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Rows ``idx`` of each sample, batch-major: (B, L, P), (B, n) -> (B * n, P), as ``x[mask]``."""
-    index = idx[..., None].expand(-1, -1, x.shape[-1])
-    return x.gather(1, index).reshape(-1, x.shape[-1])
+    return gather_rows(x, idx).reshape(-1, x.shape[-1])
 
 
 def place_mask_units(

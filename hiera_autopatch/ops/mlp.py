@@ -38,10 +38,15 @@ def _no_dropout(module: nn.Module) -> bool:
     return type(module) is nn.Identity or (type(module) is nn.Dropout and (module.p == 0 or not module.training))
 
 
-def _no_hooks(*modules: nn.Module) -> bool:
-    if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def no_hooks(*modules: nn.Module) -> bool:
+    """No forward or backward hook, global or on any of ``modules``: code that computes what they
+    compute without calling them (or on fewer rows) changes nothing a hook would see."""
+    if any(getattr(module_globals, "_global" + name, None) for name in _HOOK_DICTS):
         return False
-    return not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    return not any(getattr(m, name, None) for m in modules for name in _HOOK_DICTS)
 
 
 def wanted() -> bool:
@@ -61,7 +66,7 @@ def plain(mlp: nn.Module) -> bool:
         and type(mlp.norm) is nn.Identity
         and _no_dropout(mlp.drop1)
         and _no_dropout(mlp.drop2)
-        and _no_hooks(mlp, fc1, act, fc2, mlp.norm, mlp.drop1, mlp.drop2)
+        and no_hooks(mlp, fc1, act, fc2, mlp.norm, mlp.drop1, mlp.drop2)
     )
 
 

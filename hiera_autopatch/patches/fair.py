@@ -65,18 +65,40 @@ def make_block_forward(original: Callable, cls: type) -> Callable:
     if _base.fingerprint(getattr(timm_mlp, "forward", None)) not in TIMM_MLP_FORWARD:
         timm_mlp = None
 
-    def hiera_block_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """FAIR's HieraBlock.forward; under torch.compile the MLP recomputes GELU in backward
-        instead of saving it."""
+    def attention_residual(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's first half: ``x + attn(norm1(x))``, pooled where the width changes."""
         x_norm = self.norm1(x)
         if self.dim != self.dim_out:
             x = do_pool(self.proj(x_norm), stride=self.attn.q_stride)
-        x = x + self.drop_path(self.attn(x_norm))
+        return x + self.drop_path(self.attn(x_norm))
+
+    def mlp_residual(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's second half, ``x + mlp(norm2(x))``; under torch.compile the MLP recomputes
+        GELU in backward instead of saving it."""
         x_norm = self.norm2(x)
         if mlp.wanted() and type(self.mlp) is timm_mlp and mlp.plain(self.mlp):
             return x + self.drop_path(mlp.gelu_mlp(self.mlp, x_norm))
         return x + self.drop_path(self.mlp(x_norm))
 
+    def rowwise_mlp_residual(self) -> bool:
+        """``mlp_residual`` treats each token on its own and draws no random numbers: running it
+        on some tokens gives those tokens' rows of running it on all (hooks would see the change)."""
+        return (
+            type(self.norm2) is torch.nn.LayerNorm
+            and type(self.drop_path) is torch.nn.Identity
+            and type(self.mlp) is timm_mlp
+            and mlp.plain(self.mlp)
+            and mlp.no_hooks(self, self.norm2)
+        )
+
+    def hiera_block_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """FAIR's HieraBlock.forward; under torch.compile the MLP recomputes GELU in backward
+        instead of saving it."""
+        return mlp_residual(self, attention_residual(self, x))
+
+    hiera_block_forward.attention_residual = attention_residual
+    hiera_block_forward.mlp_residual = mlp_residual
+    hiera_block_forward.rowwise_mlp_residual = rowwise_mlp_residual
     return hiera_block_forward
 
 
@@ -233,8 +255,9 @@ def make_mae_forward_encoder(original: Callable, cls: type) -> Callable:
 def make_mae_forward_decoder(original: Callable, cls: type) -> Callable:
     undo_windowing = _module_of(cls).undo_windowing  # FAIR's (checked): views and a permute
 
-    def mae_forward_decoder(self, x, mask):
-        """FAIR's forward_decoder; visible units are placed with a scatter instead of x_dec[mask]."""
+    def decoder_tokens(self, x, mask):
+        """Decoder input: visible units scattered among mask tokens, in spatial order, plus the
+        position embedding -> (B, #tokens, C), and the keep mask at token resolution (B, #tokens)."""
         x = self.decoder_embed(x)  # (B, n_keep, *unit_final, C)
         keep_idx = masking.true_indices(mask, x.shape[1])  # (B, n_keep)
         x = masking.place_mask_units(x, keep_idx, mask.shape[1], self.mask_token.view(-1))
@@ -245,12 +268,51 @@ def make_mae_forward_decoder(original: Callable, cls: type) -> Callable:
         # (B, #MUs) keep mask -> (B, #MUs, *unit_final, 1) -> (B, #tokens), spatial order
         pred_mask = mask.view(*mask.shape, *[1] * (len(unit_shape) + 1)).expand(*mask.shape, *unit_shape, 1)
         pred_mask = undo_windowing(pred_mask, tokens_shape, unit_shape).reshape(x.shape[0], -1)
-        x = x + self.decoder_pos_embed
+        return x + self.decoder_pos_embed, pred_mask
+
+    def mae_forward_decoder(self, x, mask):
+        """FAIR's forward_decoder; visible units are placed with a scatter instead of x_dec[mask]."""
+        x, pred_mask = decoder_tokens(self, x, mask)
         for block in self.decoder_blocks:
             x = block(x)
         x = self.decoder_pred(self.decoder_norm(x))  # (B, #tokens, pixels per token)
         return x, pred_mask
 
+    def predicts_rows(self) -> bool:
+        """``predict_masked`` gives exactly the rows of forward_decoder's prediction it returns:
+        the switch is on, the last decoder block is FAIR's with our forward and a token-wise MLP
+        half, and the norm and head are a plain LayerNorm and Linear without hooks."""
+        if not loss.decoder_rows or len(self.decoder_blocks) == 0:
+            return False
+        last = self.decoder_blocks[-1]
+        block_forward = type(last).forward
+        return (
+            getattr(block_forward, _base.MARKER, None) == "fair.block"
+            and last.dim == last.dim_out
+            and block_forward.rowwise_mlp_residual(last)
+            and type(self.decoder_norm) is torch.nn.LayerNorm
+            and type(self.decoder_pred) is torch.nn.Linear
+            and mlp.no_hooks(self.decoder_norm, self.decoder_pred)
+        )
+
+    def predict_masked(self, x, mask, n_masked: int):
+        """forward_decoder's prediction at the ``n_masked`` masked tokens of each sample only
+        -> (B, n_masked, P), and their token indices (B, n_masked), ascending. Every token goes
+        through every attention (each one is a key); the last block's MLP, the norm and the head
+        then run only where the loss reads them. Call only where ``predicts_rows`` holds."""
+        x, pred_mask = decoder_tokens(self, x, mask)
+        masked_idx = masking.true_indices(~pred_mask, n_masked)  # (B, n_masked)
+        *blocks, last = self.decoder_blocks
+        for block in blocks:
+            x = block(x)
+        block_forward = type(last).forward
+        x = block_forward.attention_residual(last, x)  # (B, #tokens, C)
+        x = masking.gather_rows(x, masked_idx)  # (B, n_masked, C)
+        x = block_forward.mlp_residual(last, x)
+        return self.decoder_pred(self.decoder_norm(x)), masked_idx  # (B, n_masked, P)
+
+    mae_forward_decoder.predicts_rows = predicts_rows
+    mae_forward_decoder.predict_masked = predict_masked
     return mae_forward_decoder
 
 
@@ -263,29 +325,38 @@ def check_pixel_labels(cls: type, module) -> Optional[str]:
 def make_mae_forward_loss(original: Callable, cls: type) -> Callable:
     fair_label_2d, fair_label_3d = cls.get_pixel_label_2d, cls.get_pixel_label_3d
 
+    def fair_targets(self) -> bool:
+        """The targets are FAIR's pixels: no subclass changed them."""
+        owner = type(self)
+        return owner.get_pixel_label_2d is fair_label_2d and owner.get_pixel_label_3d is fair_label_3d
+
+    def rows_loss(self, x, pred, masked_idx, pred_is_masked: bool = False):
+        """FAIR's (loss, pred[mask], label[mask]) at ``masked_idx`` (B, n); ``fair_targets`` holds."""
+        dims = len(self.q_stride)
+        if dims == 2:
+            patches = loss.pixel_patches_2d(x, self.pred_stride)
+        elif dims == 3:
+            patches = loss.pixel_patches_3d(x, self.pred_stride, self.patch_stride[0])
+        else:
+            raise NotImplementedError  # as FAIR's
+        return loss.masked_mse(pred, patches, masked_idx, pred_is_masked=pred_is_masked)
+
     def static_loss(self, x, pred, mask, n_masked: Optional[int]):
         """FAIR's forward_loss with ``n_masked`` rows per sample; None: read it from the mask."""
-        owner = type(self)
-        if owner.get_pixel_label_2d is not fair_label_2d or owner.get_pixel_label_3d is not fair_label_3d:
+        if not fair_targets(self):
             return original(self, x, pred, mask)  # a subclass changed the targets: keep its code
-        dims = len(self.q_stride)
-        if dims not in (2, 3):
-            raise NotImplementedError
         if n_masked is None:
             n_masked = masking.keep_count(mask, strict=False)
             if n_masked is None:  # unequal counts: FAIR's concatenation of rows still applies
                 return original(self, x, pred, mask)
-        masked_idx = masking.true_indices(mask, n_masked)  # (B, n_masked)
-        if dims == 2:
-            patches = loss.pixel_patches_2d(x, self.pred_stride)
-        else:
-            patches = loss.pixel_patches_3d(x, self.pred_stride, self.patch_stride[0])
-        return loss.masked_mse(pred, patches, masked_idx)
+        return rows_loss(self, x, pred, masking.true_indices(mask, n_masked))  # (B, n_masked) rows
 
     def mae_forward_loss(self, x, pred, mask):
         """FAIR's forward_loss: same (loss, pred[mask], label[mask]), from static gathers."""
         return static_loss(self, x, pred, mask, None)
 
+    mae_forward_loss.fair_targets = fair_targets
+    mae_forward_loss.rows_loss = rows_loss
     mae_forward_loss.static_loss = static_loss
     return mae_forward_loss
 
@@ -300,9 +371,13 @@ def make_mae_forward(original: Callable, cls: type) -> Callable:
     def static_step(self, x, mask, n_keep: int):
         """Encoder, decoder and loss with every shape known from ``n_keep``: one static graph."""
         latent = encoder.encode_kept(self, x, mask, n_keep)  # (B, n_keep, *unit_final, C)
+        n_masked = (mask.shape[1] - n_keep) * math.prod(self.mask_unit_spatial_shape_final)  # tokens
+        forward_loss = type(self).forward_loss
+        if decoder.predicts_rows(self) and forward_loss.fair_targets(self):
+            pred, masked_idx = decoder.predict_masked(self, latent, mask, n_masked)  # (B, n_masked, P)
+            return forward_loss.rows_loss(self, x, pred, masked_idx, pred_is_masked=True)
         pred, pred_mask = decoder(self, latent, mask)  # pred_mask: (B, #tokens), True = keep
-        n_masked = pred_mask.shape[1] - n_keep * math.prod(self.mask_unit_spatial_shape_final)
-        return type(self).forward_loss.static_loss(self, x, pred, ~pred_mask, n_masked)
+        return forward_loss.static_loss(self, x, pred, ~pred_mask, n_masked)
 
     def mae_forward(self, x, mask_ratio=0.6, mask=None):
         """FAIR's forward. With our encoder, decoder and loss in place, the keep count is known
