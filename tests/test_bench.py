@@ -433,7 +433,7 @@ def test_profile_step_modes_parse_and_bad_ones_are_rejected():
     assert label == ("patched, HIERA_OPTIM_GRAPHS=1, triton attention everywhere, without fair.block, "
                      "fair.mae_loss, SDPA pinned to flash, patch embedding of the kept tokens only (repeat 2)")
     assert profile_step.parse_mode("patched+full_embed")["switches"] == ["full_embed"]
-    assert set(profile_step.INDUCTOR_SWITCHES) <= set(table.SWITCH_LABELS)
+    assert set(profile_step.SWITCHES) - {"tuned_attention"} <= set(table.SWITCH_LABELS)
 
 
 def test_profile_step_inductor_switches_add_to_the_graphed_options():
@@ -445,6 +445,25 @@ def test_profile_step_inductor_switches_add_to_the_graphed_options():
     assert profile_step.inductor_options(["kept_embed", "one_graph", "coord_descent"]) == {
         "coordinate_descent_tuning": True}
     assert step_graph.backward_graph  # the shipped default: the backward a graph of its own
+
+
+def test_count_flops_matches_torchs_counter_without_module_hooks():
+    """scripts/count_flops.py's counter gives torch's FlopCounterMode totals, and registers no
+    module hook (one would turn our hook-sensitive fast paths off while counting)."""
+    import torch
+    from torch.nn.modules import module as module_globals
+    from torch.utils.flop_counter import FlopCounterMode
+
+    count_flops = _load_script("count_flops")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    x = torch.randn(5, 8, requires_grad=True)
+    with count_flops.FlopCount() as ours:
+        assert not module_globals._global_forward_pre_hooks and not module_globals._global_forward_hooks
+        model(x).sum().backward()
+    with FlopCounterMode(display=False) as theirs:
+        model(x).sum().backward()
+    assert ours.total == theirs.get_total_flops() == 3 * 2 * 5 * (8 * 32 + 32 * 4)  # forward, 2x in backward
 
 
 class _CountingStep:

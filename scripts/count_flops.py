@@ -1,0 +1,94 @@
+"""FLOPs of one forward+backward step, FAIR vs patched, counted on the CPU (no GPU needed).
+
+    python scripts/count_flops.py [--model mae_hiera_base_224] [--batch 2] [--json out.json]
+
+Counts what ``torch.utils.flop_counter``'s formulas attribute to matmuls, convolutions and attention in one
+training step (fp32, mask ratio 0.6, seeded), per configuration: ``fair`` (unpatched),
+``patched`` (hiera_autopatch's defaults) and ``patched+decoder_rows`` (the experiment switch in
+``ops/loss.py``). Elementwise work (LayerNorm, GELU) is not counted, so a FLOP cut is an upper
+bound on what it saves in GEMM time and says nothing about bandwidth-bound kernels. Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+MODES = ("fair", "patched", "patched+decoder_rows")
+
+
+class FlopCount(TorchDispatchMode):
+    """Sums torch's own per-op FLOP formulas (``flop_registry``: matmuls, convolutions, attention).
+    torch's FlopCounterMode does the same but tracks modules with global hooks, and our patches
+    step aside where a hook could see a difference (``mlp.no_hooks``), so it would count FAIR's path."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def count_step(model, x, seed: int = 0) -> int:
+    """FLOPs of forward+backward. SDPA runs its math path, whose matmuls are counted (the CPU's
+    fused attention has no FLOP formula in torch)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with sdpa_kernel(SDPBackend.MATH), FlopCount() as counter:
+        loss = model(x)[0]
+        loss.backward()
+    return counter.total
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mae_hiera_base_224")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--json", help="also write the JSON here")
+    args = parser.parse_args(argv)
+
+    import hiera
+
+    import hiera_autopatch
+    from hiera_autopatch.ops import loss as loss_ops
+
+    hiera_autopatch.enable()  # patch the classes before building: the same model serves every mode
+    torch.manual_seed(0)
+    model = getattr(hiera, args.model)().train()
+    x = torch.randn(args.batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    results = {"command": " ".join(["python", *sys.argv]), "model": args.model, "batch": args.batch,
+               "dtype": "fp32", "step": "forward+backward", "torch": torch.__version__, "modes": {}}
+    for mode in MODES:
+        loss_ops.decoder_rows = mode.endswith("+decoder_rows")
+        if mode == "fair":
+            with hiera_autopatch.disabled():
+                total = count_step(model, x)
+        else:
+            total = count_step(model, x)
+        results["modes"][mode] = {"flop": total, "gflop_per_sample": total / args.batch / 1e9}
+    loss_ops.decoder_rows = False
+    fair_total = results["modes"]["fair"]["flop"]
+    for counted in results["modes"].values():
+        counted["vs_fair"] = counted["flop"] / fair_total
+    text = json.dumps(results, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as fh:
+            fh.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
