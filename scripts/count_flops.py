@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Dict
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -30,26 +31,32 @@ class FlopCount(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.total = 0
+        self.by_op: Dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
-            self.total += formula(*args, **kwargs, out_val=out)
+            name = str(func._overloadpacket)
+            self.by_op[name] = self.by_op.get(name, 0) + formula(*args, **kwargs, out_val=out)
         return out
 
 
-def count_step(model, x, seed: int = 0) -> int:
-    """FLOPs of forward+backward. SDPA runs its math path, whose matmuls are counted (the CPU's
-    fused attention has no FLOP formula in torch)."""
+def count_step(model, x, seed: int = 0) -> Dict[str, int]:
+    """FLOPs of forward+backward by aten op. SDPA runs its math path, so attention is counted as
+    its ``bmm``s (the CPU's fused attention has no FLOP formula in torch); Linear layers are
+    ``mm``/``addmm``."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     with sdpa_kernel(SDPBackend.MATH), FlopCount() as counter:
         loss = model(x)[0]
         loss.backward()
-    return counter.total
+    return counter.by_op
 
 
 def main(argv=None) -> int:
@@ -74,10 +81,12 @@ def main(argv=None) -> int:
         loss_ops.decoder_rows = mode.endswith("+decoder_rows")
         if mode == "fair":
             with hiera_autopatch.disabled():
-                total = count_step(model, x)
+                by_op = count_step(model, x)
         else:
-            total = count_step(model, x)
-        results["modes"][mode] = {"flop": total, "gflop_per_sample": total / args.batch / 1e9}
+            by_op = count_step(model, x)
+        total = sum(by_op.values())
+        results["modes"][mode] = {"flop": total, "gflop_per_sample": total / args.batch / 1e9,
+                                  "gflop_per_sample_by_op": {op: f / args.batch / 1e9 for op, f in by_op.items()}}
     loss_ops.decoder_rows = False
     fair_total = results["modes"]["fair"]["flop"]
     for counted in results["modes"].values():
