@@ -345,16 +345,20 @@ def test_kept_token_patch_embedding_bf16_bounded(kept_embed):
     assert kept_embed
 
 
-def test_kept_token_patch_embedding_traces_as_one_graph(kept_embed):
+def compiled_step_matches_fair(model):
+    """The patched MAE step under torch.compile(fullgraph=True) gives FAIR's eager results."""
     torch._dynamo.reset()
-    model = fair_model("mae", "tiny", stages=(1, 1, 1, 1))
     x = input_for(model)
     compiled = run_step(model, x, torch.compile(mae_call(), fullgraph=True, backend="aot_eager"))
     with hiera_autopatch.disabled():
         fair = run_step(model, x, mae_call())
-    assert kept_embed
     assert_equivalent(fair, compiled, FP32_OUT, FP32_GRAD)
     torch._dynamo.reset()
+
+
+def test_kept_token_patch_embedding_traces_as_one_graph(kept_embed):
+    compiled_step_matches_fair(fair_model("mae", "tiny", stages=(1, 1, 1, 1)))
+    assert kept_embed
 
 
 # --- the decoder's last MLP, norm and head at the masked tokens only (ops/loss.decoder_rows) ----
@@ -409,15 +413,8 @@ def test_decoder_rows_with_user_mask_and_bf16_bounded(decoder_rows):
 
 def test_decoder_rows_trace_as_one_graph(decoder_rows):
     """Under torch.compile the last block's MLP takes the GELU-recompute Function, on the rows."""
-    torch._dynamo.reset()
-    model = fair_model("mae", "tiny", stages=(1, 1, 1, 1), decoder_depth=2)
-    x = input_for(model)
-    compiled = run_step(model, x, torch.compile(mae_call(), fullgraph=True, backend="aot_eager"))
-    with hiera_autopatch.disabled():
-        fair = run_step(model, x, mae_call())
+    compiled_step_matches_fair(fair_model("mae", "tiny", stages=(1, 1, 1, 1), decoder_depth=2))
     assert decoder_rows
-    assert_equivalent(fair, compiled, FP32_OUT, FP32_GRAD)
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize(
