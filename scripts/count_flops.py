@@ -4,8 +4,8 @@
 
 Counts what ``torch.utils.flop_counter``'s formulas attribute to matmuls, convolutions and attention in one
 training step (fp32, mask ratio 0.6, seeded), per configuration: ``fair`` (unpatched),
-``patched`` (hiera_autopatch's defaults) and ``patched+decoder_rows`` (the experiment switch in
-``ops/loss.py``). Elementwise work (LayerNorm, GELU) is not counted, so a FLOP cut is an upper
+``patched`` (hiera_autopatch with ``ops/loss.decoder_rows`` off, the default before session 12) and
+``patched+decoder_rows`` (with it on, the default since). Elementwise work (LayerNorm, GELU) is not counted, so a FLOP cut is an upper
 bound on what it saves in GEMM time and says nothing about bandwidth-bound kernels. Prints JSON.
 """
 
@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     x = torch.randn(args.batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
     results = {"command": " ".join(["python", *sys.argv]), "model": args.model, "batch": args.batch,
                "dtype": "fp32", "step": "forward+backward", "torch": torch.__version__, "modes": {}}
+    default = loss_ops.decoder_rows
     for mode in MODES:
         loss_ops.decoder_rows = mode.endswith("+decoder_rows")
         if mode == "fair":
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
         total = sum(by_op.values())
         results["modes"][mode] = {"flop": total, "gflop_per_sample": total / args.batch / 1e9,
                                   "gflop_per_sample_by_op": {op: f / args.batch / 1e9 for op, f in by_op.items()}}
-    loss_ops.decoder_rows = False
+    loss_ops.decoder_rows = default
     fair_total = results["modes"]["fair"]["flop"]
     for counted in results["modes"].values():
         counted["vs_fair"] = counted["flop"] / fair_total

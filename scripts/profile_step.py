@@ -56,7 +56,7 @@ INDUCTOR_SWITCHES = {
     "combo": {"combo_kernels": True},  # independent small kernels (e.g. weight-grad sums) as one launch
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
-            *INDUCTOR_SWITCHES)
+            "full_decoder", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -71,7 +71,9 @@ def parse_mode(mode: str) -> dict:
     tuned_attention (our attention's blocks from ``--attention-tuning``, a tune_attention.py JSON),
     one_graph (the graphed step's backward captured into its forward's graph, not a graph of its own),
     no_capture (the whole step compiled but not captured: its kernels can be traced to host ops),
-    decoder_rows (the MAE decoder's last MLP, norm and head at the masked tokens only: ops/loss.py),
+    full_decoder (the MAE decoder's last MLP, norm and head at every token, as before session 12;
+    without it they run at the masked tokens only, ops/loss.py; ``decoder_rows`` names that default
+    explicitly, as the session-11/12 commands did),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
     """
@@ -307,7 +309,7 @@ def main(argv=None) -> int:
         step_graph.compile_options = inductor_options(spec["switches"])
         step_graph.backward_graph = "one_graph" not in spec["switches"]
         step_graph.capture = "no_capture" not in spec["switches"]
-        loss_ops.decoder_rows = "decoder_rows" in spec["switches"]
+        loss_ops.decoder_rows = "full_decoder" not in spec["switches"]
         torch._dynamo.reset()  # each mode compiles afresh: no cache entry of another mode's options
         step_graph.reset()  # and captures afresh
         window_attention.TUNED.clear()

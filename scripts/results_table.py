@@ -70,6 +70,7 @@ SWITCH_LABELS = {
     "one_graph": "forward and backward in one graph",
     "no_capture": "compiled whole step, not captured",
     "decoder_rows": "decoder's last MLP and head at the masked tokens only",
+    "full_decoder": "decoder's last MLP and head at every token",
 }
 
 

@@ -366,7 +366,7 @@ def test_kept_token_patch_embedding_traces_as_one_graph(kept_embed):
 
 @pytest.fixture
 def decoder_rows(monkeypatch):
-    """The switch on (an experiment, off by default); the list counts the steps that took it."""
+    """The switch on (its default); the list counts the steps that took it."""
     from hiera_autopatch.ops import loss
 
     monkeypatch.setattr(loss, "decoder_rows", True)
@@ -394,11 +394,13 @@ def test_decoder_rows_match_fair(decoder_rows, structure, q_pool, mask_ratio, in
     assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
 
 
-def test_decoder_rows_off_by_default():
+def test_decoder_rows_on_by_default_and_can_be_switched_off(monkeypatch):
     from hiera_autopatch.ops import loss
 
-    assert loss.decoder_rows is False
+    assert loss.decoder_rows is True
     model = fair_model("mae", "tiny")
+    assert type(model).forward_decoder.predicts_rows(model)
+    monkeypatch.setattr(loss, "decoder_rows", False)
     assert not type(model).forward_decoder.predicts_rows(model)
 
 

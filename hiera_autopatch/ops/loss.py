@@ -8,12 +8,14 @@ import torch
 
 from . import masking
 
-decoder_rows = False
-"""Experiment switch, off (``scripts/profile_step.py``'s ``+decoder_rows``): in the patched MAE
-step, the decoder's last MLP, its norm and its prediction head run at the masked tokens only, the
-rows the loss reads (``patches/fair.py``, ``predict_masked``). Hiera-B MAE at mask 0.6: 120 of 196
-tokens, so 40% less of that work; the other tokens' predictions are never returned and get no
-gradient. Not yet timed on a GPU."""
+decoder_rows = True
+"""In the patched MAE step, the decoder's last MLP, its norm and its prediction head run at the
+masked tokens only, the rows the loss reads (``patches/fair.py``, ``predict_masked``). Hiera-B MAE
+at mask 0.6: 120 of 196 tokens, so 40% less of that work; the other tokens' predictions are never
+returned and get no gradient, so results are FAIR's. On since session 12: the graphed step was
+0.11 and 0.36 ms faster in two interleaved A/B pairs on an H100
+(benchmarks/results/h100_profile_decoder_rows.json). ``False`` (``scripts/profile_step.py``'s
+``+full_decoder``) runs the whole decoder."""
 
 
 def pixel_patches_2d(images: torch.Tensor, size: int) -> torch.Tensor:
