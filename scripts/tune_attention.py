@@ -7,7 +7,8 @@ launcher and, separately, of the backward launcher is timed as CUDA-graph replay
 launch overhead), and its output / dqkv checked against an fp32 reference on the same input. The
 two passes share nothing but the lse layout, so each can take its own blocks (``BLOCK_M_BWD``...).
 Stages come second: blocks and warps are searched at the default stages, then the best few
-configs are retried at every stage count. ``--device cpu`` dry-runs the script in Triton's
+configs are retried at every stage count (``--top 0``: not). ``--configs`` times a given list in
+place of the sweep. ``--device cpu`` dry-runs the script in Triton's
 interpreter on a tiny batch.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 import time
@@ -63,6 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting configs after this")
     ap.add_argument("--phases", default="fwd,bwd", help="which passes to tune (comma list)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--configs", type=json.loads, default=None,
+                    help='JSON {"fwd": [config, ...], "bwd": [...]}: time these in place of the sweep')
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.device == "cpu":
@@ -117,7 +121,8 @@ def main(argv=None) -> int:
             default = trial(phase, {})
             entry[f"{phase}_default_ms"] = default.get("ms")
             tried = [default]
-            for cfg in candidates(wa, T, S, D, nw, phase):
+            configs = args.configs.get(phase, []) if args.configs else candidates(wa, T, S, D, nw, phase)
+            for cfg in configs:
                 if time.time() - started > args.budget_s:
                     entry["cut_short"] = True
                     break
