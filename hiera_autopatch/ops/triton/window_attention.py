@@ -532,6 +532,14 @@ def full_config(config: Optional[Dict[str, int]], T: int, q_stride: int, D: int,
     return {key: int(cfg[key]) for key in _CONFIG_KEYS}
 
 
+def backward_plan(cfg: Dict[str, int], T: int, q_stride: int) -> Tuple[bool, bool]:
+    """(single_kv, dq_split) for a full config: one key block per group (dq in the dk/dv kernel),
+    or ``DQ_SPLIT``'s per-key-block dq shares (G == 1, no q pooling); else the dq kernel."""
+    single_kv = cfg["G"] * T <= cfg["BLOCK_N_BWD"]  # one key block
+    dq_split = bool(cfg["DQ_SPLIT"]) and not single_kv and cfg["G"] == 1 and q_stride == 1
+    return single_kv, dq_split
+
+
 def _on_device(t: torch.Tensor):
     # Triton launches on the current CUDA device: make it the tensor's (multi-GPU, no DDP setup)
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -588,12 +596,11 @@ def window_attention_backward(
         dqkv = torch.empty_like(qkv)
     n_groups = triton.cdiv(num_windows, G)
     n_k_blocks = triton.cdiv(G * T, BN)
-    single_kv = n_k_blocks == 1
+    single_kv, dq_split = backward_plan(cfg, T, q_stride)
     sm_scale = D ** -0.5
     common = dict(H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
                   POOL_AMAX=pool == "amax", DOT_PRECISION=_dot_precision(qkv.dtype),
                   num_warps=cfg["num_warps_bwd"], num_stages=cfg["num_stages_bwd"])
-    dq_split = bool(cfg["DQ_SPLIT"]) and not single_kv and G == 1 and q_stride == 1
     dq_part = lse  # unused unless dq_split
     with _on_device(qkv):
         if single_kv or dq_split:
