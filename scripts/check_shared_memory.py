@@ -20,8 +20,7 @@ import sys
 
 HOPPER_SHARED_BYTES = 227 * 1024  # what one block may use on sm_90
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_POINTERS = {"QKV": None, "OUT": None, "DOUT": None, "DQKV": None, "LSE": "fp32", "DELTA": "fp32",
-             "DQ_PART": "fp32"}
+_POINTERS = {"QKV": None, "OUT": None, "DOUT": None, "DQKV": None, "LSE": "fp32", "DELTA": "fp32"}
 _FLOATS = {"qk_scale", "sm_scale"}
 
 
@@ -55,13 +54,13 @@ def check(wa, name: str, nw: int, T: int, H: int, D: int, S: int, dtype: str, co
                   DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")  # fp32: as without allow_tf32
     fwd = dict(common, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
     bwd = dict(common, BLOCK_M=cfg["BLOCK_M_BWD"], BLOCK_N=cfg["BLOCK_N_BWD"], POOL_AMAX=False)
-    single_kv, dq_split = wa.backward_plan(cfg, T, S)
+    single_kv = -(-cfg["G"] * T // cfg["BLOCK_N_BWD"]) == 1
     shared = {
         "fwd": shared_bytes(wa._window_attention_fwd_kernel, dtype, fwd, cfg["num_warps"], cfg["num_stages"]),
-        "bwd_dkdv": shared_bytes(wa._window_attention_bwd_dkdv_kernel, dtype, dict(bwd, SINGLE_KV=single_kv, DQ_SPLIT=dq_split),
+        "bwd_dkdv": shared_bytes(wa._window_attention_bwd_dkdv_kernel, dtype, dict(bwd, SINGLE_KV=single_kv),
                                  cfg["num_warps_bwd"], cfg["num_stages_bwd"]),
     }
-    if not single_kv and not dq_split:
+    if not single_kv:
         shared["bwd_dq"] = shared_bytes(wa._window_attention_bwd_dq_kernel, dtype, bwd,
                                         cfg["num_warps_bwd"], cfg["num_stages_bwd"])
     return {"shape": name, "dtype": dtype, "config": cfg, "shared_bytes": shared,

@@ -122,17 +122,6 @@ CPU_CASES = [
                  id="fwd-multiblock-bwd-onepass"),
     pytest.param(1, 3, 16, 1, 24, 1, {"BLOCK_M_BWD": 16, "BLOCK_N_BWD": 16, "num_stages_bwd": 1},
                  id="fwd-onepass-bwd-multiblock"),
-    # DQ_SPLIT: each key block writes its share of dq, summed after (delta from dout * out); the
-    # decoder's 196 keys in two and in four blocks, windows (nw > 1, G = 1), a partial last block;
-    # with q pooling or G > 1 the launcher keeps the dq kernel
-    pytest.param(1, 1, 196, 2, 32, 1, {"BLOCK_M_BWD": 16, "BLOCK_N_BWD": 128, "DQ_SPLIT": 1},
-                 id="decoder-T196-dq-split2"),
-    pytest.param(2, 1, 196, 1, 32, 1, {"BLOCK_M_BWD": 32, "BLOCK_N_BWD": 64, "DQ_SPLIT": 1},
-                 id="decoder-T196-dq-split4"),
-    pytest.param(2, 3, 40, 2, 24, 1, {"G": 1, "BLOCK_M_BWD": 16, "BLOCK_N_BWD": 16, "DQ_SPLIT": 1},
-                 id="nw3-T40-dq-split"),
-    pytest.param(1, 1, 32, 1, 24, 4, {"BLOCK_M": 16, "BLOCK_N": 16, "DQ_SPLIT": 1},
-                 id="pooled-dq-split-ignored"),
 ]
 
 

@@ -223,17 +223,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _window_attention_bwd_dkdv_kernel(
-        QKV, DOUT, LSE, DELTA, DQKV, OUT, DQ_PART,
-        NW, n_groups, n_k_blocks, part_stride, qk_scale, sm_scale,
+        QKV, DOUT, LSE, DELTA, DQKV,
+        NW, n_groups, n_k_blocks, qk_scale, sm_scale,
         H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        POOL_AMAX: tl.constexpr, SINGLE_KV: tl.constexpr, DQ_SPLIT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        POOL_AMAX: tl.constexpr, SINGLE_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         # One key block: dk, dv over all query blocks that see it. SINGLE_KV (the group's keys fit
-        # this one block): each query row's P is complete here, so also delta and dq. DQ_SPLIT
-        # (G == 1, S == 1, several key blocks): delta from dout * out, and this key block's share
-        # of dq into DQ_PART (n_k_blocks, B, nw*T, H*D) fp32, summed by _window_attention_dq_sum.
+        # this one block): each query row's P is complete here, so also delta and dq.
         Tq: tl.constexpr = T // S
         ROW: tl.constexpr = 3 * H * D
         OUT_ROW: tl.constexpr = H * D
@@ -248,9 +245,6 @@ if HAS_TRITON:
         dk_ptr = dq_ptr + H * D
         dv_ptr = dq_ptr + 2 * H * D
         do_ptr = DOUT + b64 * (NW * Tq * OUT_ROW) + h * D
-        o_ptr = OUT + b64 * (NW * Tq * OUT_ROW) + h * D
-        # this key block's dq share: DQ_PART[nb, b] (nw*Tq, H*D), rows as dout's (S == 1)
-        dq_part_ptr = DQ_PART + nb.to(tl.int64) * part_stride + b64 * (NW * Tq * OUT_ROW) + h * D
         lse_ptr = LSE + (b64 * H + h) * NW * Tq  # (nw, Tq) of this (b, h)
         delta_ptr = DELTA + (b64 * H + h) * NW * Tq
 
@@ -285,10 +279,6 @@ if HAS_TRITON:
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BM, BN)
             if SINGLE_KV:
                 delta = tl.sum(p * dp, 1)  # = rowsum(dout * out), with full rows of P here
-            elif DQ_SPLIT:
-                o = tl.load(o_ptr + o_rows[:, None] * OUT_ROW + offs_d[None, :], mask=q_mask,
-                            other=0.0)  # (BLOCK_M, BLOCK_D)
-                delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
             else:
                 delta = tl.load(delta_ptr + w_q * Tq + tq, mask=q_ok, other=0.0)
             ds = p * (dp - delta[:, None])  # d(loss)/d(q.k), without the scale
@@ -297,10 +287,6 @@ if HAS_TRITON:
                 dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * sm_scale
                 _store_dq_through_pool(dq_ptr, q_ptr, dq, q, tq, w_q, q_mask, offs_d, NW, ROW,
                                        Tq, S, POOL_AMAX)
-            elif DQ_SPLIT:
-                dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)  # (BM, BD) share
-                tl.store(dq_part_ptr + o_rows[:, None] * OUT_ROW + offs_d[None, :], dq,
-                         mask=q_mask)
 
         tl.store(dk_ptr + k_rows[:, None] * ROW + offs_d[None, :],
                  (dk * sm_scale).to(DQKV.dtype.element_ty), mask=k_mask)
@@ -329,20 +315,6 @@ if HAS_TRITON:
         tq = (r64 % (Tq * NW)) // NW
         w = r64 % NW
         tl.store(DELTA + ((b * H + h) * NW + w) * Tq + tq, delta, mask=r_ok)
-
-    @triton.jit
-    def _window_attention_dq_sum_kernel(DQ_PART, DQKV, n_parts, n_elems, sm_scale,
-                                        HD: tl.constexpr, BLOCK: tl.constexpr):
-        # dq = sm_scale * sum of the key blocks' shares, into qkv's q columns (S == 1).
-        # DQ_PART: (n_parts, B*N, H*D) fp32 -> DQKV (B*N, 3*H*D), columns [0, H*D).
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,) flat over B*N*HD
-        ok = i < n_elems
-        total = tl.zeros([BLOCK], tl.float32)
-        for part in range(n_parts):
-            total += tl.load(DQ_PART + part * n_elems + i, mask=ok, other=0.0)
-        row = i // HD
-        tl.store(DQKV + row * (3 * HD) + i % HD, (total * sm_scale).to(DQKV.dtype.element_ty),
-                 mask=ok)
 
     @triton.jit
     def _window_attention_bwd_dq_kernel(
@@ -490,7 +462,7 @@ def default_config(T: int, q_stride: int, D: int, num_windows: int = 1 << 30, it
     config = {"G": G,
               "BLOCK_M": max(16, min(64, _next_pow2(G * Tq))),
               "BLOCK_N": max(16, min(128, _next_pow2(G * T), 32768 // (block_d * itemsize))),
-              "num_warps": 4, "num_stages": 2, "DQ_SPLIT": 0}
+              "num_warps": 4, "num_stages": 2}
     if itemsize == 2:
         config.update(TUNED.get((T, q_stride, D), {}))
     # backward holds k, v, dk, dv (BLOCK_N x BLOCK_D) and P, dP, dS (BLOCK_M x BLOCK_N) at once
@@ -511,7 +483,7 @@ BWD_KEYS = {"BLOCK_M_BWD": "BLOCK_M", "BLOCK_N_BWD": "BLOCK_N", "num_stages_bwd"
 depend on blocks, so the two passes can tile differently)."""
 
 _CONFIG_KEYS = ("G", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
-                "BLOCK_M_BWD", "BLOCK_N_BWD", "num_warps_bwd", "num_stages_bwd", "DQ_SPLIT")
+                "BLOCK_M_BWD", "BLOCK_N_BWD", "num_warps_bwd", "num_stages_bwd")
 
 
 def full_config(config: Optional[Dict[str, int]], T: int, q_stride: int, D: int,
@@ -530,14 +502,6 @@ def full_config(config: Optional[Dict[str, int]], T: int, q_stride: int, D: int,
         for block in (cfg[bm], cfg[bn]):
             assert block >= 16 and block & (block - 1) == 0, cfg
     return {key: int(cfg[key]) for key in _CONFIG_KEYS}
-
-
-def backward_plan(cfg: Dict[str, int], T: int, q_stride: int) -> Tuple[bool, bool]:
-    """(single_kv, dq_split) for a full config: one key block per group (dq in the dk/dv kernel),
-    or ``DQ_SPLIT``'s per-key-block dq shares (G == 1, no q pooling); else the dq kernel."""
-    single_kv = cfg["G"] * T <= cfg["BLOCK_N_BWD"]  # one key block
-    dq_split = bool(cfg["DQ_SPLIT"]) and not single_kv and cfg["G"] == 1 and q_stride == 1
-    return single_kv, dq_split
 
 
 def _on_device(t: torch.Tensor):
@@ -596,15 +560,14 @@ def window_attention_backward(
         dqkv = torch.empty_like(qkv)
     n_groups = triton.cdiv(num_windows, G)
     n_k_blocks = triton.cdiv(G * T, BN)
-    single_kv, dq_split = backward_plan(cfg, T, q_stride)
+    single_kv = n_k_blocks == 1
     sm_scale = D ** -0.5
     common = dict(H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
                   POOL_AMAX=pool == "amax", DOT_PRECISION=_dot_precision(qkv.dtype),
                   num_warps=cfg["num_warps_bwd"], num_stages=cfg["num_stages_bwd"])
-    dq_part = lse  # unused unless dq_split
     with _on_device(qkv):
-        if single_kv or dq_split:
-            delta = lse  # unused: the kernel takes delta from P * dP or from dout * out
+        if single_kv:
+            delta = lse  # unused (the kernel takes delta from P * dP)
         else:
             delta = torch.empty_like(lse)  # (B, H, nw, Tq) fp32
             out = out.contiguous()
@@ -614,21 +577,12 @@ def window_attention_backward(
                 dout, out, delta, num_windows, n_rows,
                 H=heads, D=D, Tq=Tq, BLOCK_R=block_r, BLOCK_D=BD, num_warps=4,
             )
-        if dq_split:
-            out = out.contiguous()
-            dq_part = torch.empty(n_k_blocks, *out.shape, device=qkv.device, dtype=torch.float32)
         _window_attention_bwd_dkdv_kernel[(B * n_groups * heads * n_k_blocks,)](
-            qkv, dout, lse, delta, dqkv, out, dq_part,
-            num_windows, n_groups, n_k_blocks, out.numel(), sm_scale * _LOG2E, sm_scale,
-            SINGLE_KV=single_kv, DQ_SPLIT=dq_split, **common,
+            qkv, dout, lse, delta, dqkv,
+            num_windows, n_groups, n_k_blocks, sm_scale * _LOG2E, sm_scale,
+            SINGLE_KV=single_kv, **common,
         )
-        if dq_split:
-            n_elems, block = out.numel(), 1024
-            _window_attention_dq_sum_kernel[(triton.cdiv(n_elems, block),)](
-                dq_part, dqkv, n_k_blocks, n_elems, sm_scale, HD=heads * D, BLOCK=block,
-                num_warps=4,
-            )
-        elif not single_kv:
+        if not single_kv:
             n_q_blocks = triton.cdiv(G * Tq, BM)
             _window_attention_bwd_dq_kernel[(B * n_groups * heads * n_q_blocks,)](
                 qkv, dout, lse, delta, dqkv,
