@@ -36,9 +36,16 @@ def load(paths: List[str]) -> List[tuple]:
             continue
         if isinstance(data, dict) and str(data.get("schema", "")).startswith(SCHEMA_PREFIX):
             records.append((path, data))
-        elif isinstance(data, dict) and "modes" in data and "command" in data:
+        elif is_timed_profile(data):
             records.append((path, data))  # a scripts/profile_step.py profile
     return records  # other results (kernel timings) live in the same folder
+
+
+def is_timed_profile(data) -> bool:
+    """A scripts/profile_step.py file: every mode has ms/step (scripts/count_flops.py's have none)."""
+    if not (isinstance(data, dict) and "command" in data and isinstance(data.get("modes"), dict)):
+        return False
+    return bool(data["modes"]) and all("ms_per_step" in mode for mode in data["modes"].values())
 
 
 PROFILE_MODES = {

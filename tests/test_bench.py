@@ -419,6 +419,17 @@ def test_results_table_renders_and_rewrites_readme(runs, tmp_path):
     assert table.main([json_path, "--write", str(readme)]) == 2
 
 
+def test_results_table_takes_timed_profiles_and_leaves_flop_counts_out(tmp_path):
+    table = _load_script("results_table")
+    timed = {"command": "profile_step.py", "modes": {"graphs": {"ms_per_step": {"median": 30.0}}}}
+    flops = {"command": "count_flops.py", "modes": {"fair": {"gflop_per_sample": 60.9}}}
+    paths = []
+    for name, data in (("timed", timed), ("flops", flops)):
+        paths.append(str(tmp_path / f"{name}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(data, f)
+    assert [os.path.basename(p) for p, _ in table.load(paths)] == ["timed.json"]
+
 def test_profile_step_modes_parse_and_bad_ones_are_rejected():
     profile_step = _load_script("profile_step")
     table = _load_script("results_table")
