@@ -54,7 +54,7 @@ def check(wa, name: str, nw: int, T: int, H: int, D: int, S: int, dtype: str, co
                   DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")  # fp32: as without allow_tf32
     fwd = dict(common, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
     bwd = dict(common, BLOCK_M=cfg["BLOCK_M_BWD"], BLOCK_N=cfg["BLOCK_N_BWD"], POOL_AMAX=False)
-    single_kv = -(-cfg["G"] * T // cfg["BLOCK_N_BWD"]) == 1
+    single_kv = wa.backward_is_single_pass(cfg, T)
     shared = {
         "fwd": shared_bytes(wa._window_attention_fwd_kernel, dtype, fwd, cfg["num_warps"], cfg["num_stages"]),
         "bwd_dkdv": shared_bytes(wa._window_attention_bwd_dkdv_kernel, dtype, dict(bwd, SINGLE_KV=single_kv),

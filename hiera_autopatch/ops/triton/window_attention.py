@@ -543,6 +543,11 @@ def window_attention_forward(
     return out, lse
 
 
+def backward_is_single_pass(cfg: Dict[str, int], T: int) -> bool:
+    """A group's keys fit one backward key block: one kernel, delta and dq taken from full rows of P."""
+    return cfg["G"] * T <= cfg["BLOCK_N_BWD"]
+
+
 def window_attention_backward(
     dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     num_windows: int, heads: int, q_stride: int, pool: str = "max",
@@ -560,7 +565,7 @@ def window_attention_backward(
         dqkv = torch.empty_like(qkv)
     n_groups = triton.cdiv(num_windows, G)
     n_k_blocks = triton.cdiv(G * T, BN)
-    single_kv = n_k_blocks == 1
+    single_kv = backward_is_single_pass(cfg, T)
     sm_scale = D ** -0.5
     common = dict(H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
                   POOL_AMAX=pool == "amax", DOT_PRECISION=_dot_precision(qkv.dtype),
