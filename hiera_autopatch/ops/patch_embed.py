@@ -17,7 +17,6 @@ the mode suffixes ``+kept_embed`` / ``+full_embed``; where the convolution is no
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -28,6 +27,19 @@ from . import masking
 
 kept_only = True
 """Embed only the kept tokens of an MAE step (False: FAIR's full embedding). See the module docstring."""
+
+aligned = True
+"""Pad the matrix product's reduction dim (``C_in * prod(kernel)``: 147 for Hiera's 3-channel 7x7
+conv) with zero columns to a multiple of ``ALIGN_COLUMNS``. cuBLAS needs that alignment for its Hopper
+GEMMs: unpadded bf16 rows are 294 bytes apart. This product and its weight gradient are the MAE
+step's only matmuls with such a dimension (a CPU trace of the step's ``mm``/``addmm``), and the
+graphed H200 step ran one GEMM and one weight-gradient GEMM on sm75 ``align1`` kernels, 0.08 +
+0.07 ms a step (benchmarks/results/h200_profile_final.json). The zeros add exact zeros, and the
+weight's padded gradient columns are dropped. False: unpadded (``scripts/profile_step.py``'s ``+unaligned_embed``)."""
+
+ALIGN_COLUMNS = 8
+"""16-byte rows in bf16/fp16, the dtypes the GEMM runs in on a GPU (autocast included; fp32 rows
+are then 32 bytes)."""
 
 
 def usable(conv: nn.Module) -> bool:
@@ -88,7 +100,10 @@ def embed_tokens(x: torch.Tensor, pixel_keep: torch.Tensor, conv: nn.Module, tok
     windows = x.flatten(2).gather(2, index)  # (B, C_in, T*K)
     windows = windows.view(batch, in_chans, tokens, taps).transpose(1, 2)  # (B, T, C_in, K)
     windows = windows.reshape(batch, tokens, in_chans * taps)  # (B, T, C_in*K), the weight's order
-    weight = conv.weight.reshape(conv.out_channels, in_chans * math.prod(conv.kernel_size))
+    weight = conv.weight.reshape(conv.out_channels, in_chans * taps)  # (C_out, C_in*K)
+    pad = -(in_chans * taps) % ALIGN_COLUMNS if aligned else 0
+    if pad:  # (B, T, C_in*K + pad) and (C_out, C_in*K + pad): zero columns, zero products
+        windows, weight = F.pad(windows, (0, pad)), F.pad(weight, (0, pad))
     return F.linear(windows, weight, conv.bias)  # (B, T, C_out)
 
 
