@@ -361,6 +361,58 @@ def test_kept_token_patch_embedding_traces_as_one_graph(kept_embed):
     assert kept_embed
 
 
+# --- MAE fusion heads as one matmul each (ops/fusion_head.py) ----------------------------------
+
+
+@pytest.fixture
+def matmul_heads(monkeypatch):
+    """Fusion heads as matmuls on (the default, pinned here); the list counts the heads that took it."""
+    from hiera_autopatch.ops import fusion_head
+
+    monkeypatch.setattr(fusion_head, "as_matmul", True)
+    calls, real = [], fusion_head.patchify_head
+    monkeypatch.setattr(fusion_head, "patchify_head", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "structure, q_pool, video",
+    [("tiny", 1, False), ("base", 2, False), ("tiny", 3, False), ("tiny", 2, True)],
+)
+def test_matmul_fusion_heads_match_fair(matmul_heads, structure, q_pool, video):
+    torch.manual_seed(0)
+    model = fair_model("mae", structure, q_pool=q_pool, video=video)
+    unpatched, patched = run_pair(model, input_for(model), mae_call())
+    assert len(matmul_heads) == q_pool, "every head of the step should have been a matmul"
+    assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
+
+
+def test_conv_fusion_heads_when_switched_off(monkeypatch):
+    """``as_matmul = False`` (profile_step's +conv_heads): FAIR's convolutions, same results."""
+    from hiera_autopatch.ops import fusion_head
+
+    monkeypatch.setattr(fusion_head, "as_matmul", False)
+    calls, real = [], fusion_head.patchify_head
+    monkeypatch.setattr(fusion_head, "patchify_head", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    model = fair_model("mae", "tiny")
+    unpatched, patched = run_pair(model, input_for(model), mae_call())
+    assert calls == []
+    assert_equivalent(unpatched, patched, FP32_OUT, FP32_GRAD)
+
+
+def test_matmul_fusion_heads_bf16_bounded(matmul_heads):
+    torch.manual_seed(0)
+    model = fair_model("mae", "base")
+    low_precision_check(model, input_for(model), mae_call(), dtype=torch.bfloat16, eps=LOW_EPS[torch.bfloat16])
+    assert matmul_heads
+
+
+def test_matmul_fusion_heads_trace_as_one_graph(matmul_heads):
+    compiled_step_matches_fair(fair_model("mae", "tiny", stages=(1, 1, 1, 1)))
+    assert matmul_heads
+
+
 # --- the decoder's last MLP, norm and head at the masked tokens only (ops/loss.decoder_rows) ----
 
 

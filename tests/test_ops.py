@@ -128,3 +128,86 @@ def test_status_reports_which_kernel_each_attention_shape_ran():
     compiled(qkv)
     compiled(torch.randn(5, 16 * 3, 3 * 2 * 8))
     assert hiera_autopatch.status()["attention_calls"]["nw=3 T=16 S=4 H=2 D=8 compiled"] == "sdpa"
+
+
+# --- MAE fusion heads as a matmul (ops/fusion_head.py) ------------------------------------------
+
+
+def fusion_head_grads(apply, head, features):
+    """Output, features' grad and every weight grad of ``apply(head, features)`` under one upstream."""
+    features = features.detach().clone().requires_grad_(True)
+    head.zero_grad(set_to_none=True)
+    out = apply(head, features)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    out.backward(upstream)
+    return [out.detach(), features.grad, head.weight.grad, head.bias.grad]
+
+
+@pytest.mark.parametrize(
+    "unit, kernel, channels",
+    [((8, 8), (4, 4), 12), ((4, 4), (2, 2), 24), ((8, 8), (8, 8), 5), ((1, 8, 8), (1, 4, 4), 6), ((16,), (4,), 7)],
+)
+def test_patchify_head_matches_fairs_fusion_head(unit, kernel, channels):
+    from hiera.hiera_mae import apply_fusion_head
+
+    from hiera_autopatch.ops import fusion_head
+
+    torch.manual_seed(0)
+    conv = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)[len(unit) - 1]
+    head = conv(channels, 10, kernel_size=kernel, stride=kernel).double()
+    features = torch.randn(3, 5, *unit, channels, dtype=torch.float64)  # (B, units, *unit, C)
+    assert fusion_head.usable(head, features)
+    ours = fusion_head_grads(fusion_head.patchify_head, head, features)
+    fair = fusion_head_grads(apply_fusion_head, head, features)
+    for a, b in zip(ours, fair):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_patchify_head_is_only_taken_for_plain_patchify_convolutions():
+    from hiera_autopatch.ops import fusion_head
+
+    features = torch.randn(2, 3, 8, 8, 4)
+    plain = torch.nn.Conv2d(4, 6, kernel_size=4, stride=4)
+    assert fusion_head.usable(plain, features)
+    assert not fusion_head.usable(torch.nn.Identity(), features)
+    assert not fusion_head.usable(torch.nn.Conv2d(4, 6, kernel_size=4, stride=2), features)
+    assert not fusion_head.usable(torch.nn.Conv2d(4, 6, kernel_size=4, stride=4, padding=1), features)
+    assert not fusion_head.usable(torch.nn.Conv2d(4, 6, kernel_size=3, stride=3), features)  # 8 % 3
+    assert not fusion_head.usable(torch.nn.Conv2d(4, 6, kernel_size=2, stride=2, dilation=2), features)
+    assert not fusion_head.usable(torch.nn.Conv2d(4, 6, kernel_size=4, stride=4, groups=2), features)
+    hooked = torch.nn.Conv2d(4, 6, kernel_size=4, stride=4)
+    hooked.register_forward_hook(lambda *args: None)
+    assert not fusion_head.usable(hooked, features)
+
+
+# --- the kept-token patch embedding's aligned matmul (ops/patch_embed.aligned) -------------------
+
+
+@pytest.mark.parametrize("in_chans, kernel, padding", [(3, (7, 7), (3, 3)), (1, (7, 7), (3, 3)), (8, (4, 4), (0, 0))])
+def test_kept_embedding_pads_its_matmul_to_aligned_rows_with_the_same_result(monkeypatch, in_chans, kernel, padding):
+    from hiera_autopatch.ops import patch_embed
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(in_chans, 6, kernel_size=kernel, stride=4, padding=padding).double()
+    x = torch.randn(2, in_chans, 32, 32, dtype=torch.float64)
+    keep = torch.rand(2, 1, 32, 32) > 0.3
+    token_ids = torch.stack([torch.randperm(64)[:10] for _ in range(2)])  # (B, T) on the 8x8 grid
+    widths, linear = [], F.linear
+    monkeypatch.setattr(patch_embed.F, "linear", lambda a, w, b=None: widths.append(a.shape[-1]) or linear(a, w, b))
+
+    def embed(aligned):
+        monkeypatch.setattr(patch_embed, "aligned", aligned)
+        conv.zero_grad(set_to_none=True)
+        out = patch_embed.embed_tokens(x, keep, conv, token_ids, (8, 8))
+        out.backward(torch.ones_like(out))
+        return out.detach(), conv.weight.grad, conv.bias.grad
+
+    padded, plain = embed(True), embed(False)
+    columns = in_chans * kernel[0] * kernel[1]
+    assert widths == [columns + (-columns % 8), columns]
+    for a, b in zip(padded, plain):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # and both are the convolution at those tokens
+    full = F.conv2d(x * keep, conv.weight, conv.bias, stride=4, padding=padding).flatten(2)  # (B, C_out, 64)
+    torch.testing.assert_close(padded[0], torch.stack([full[b, :, token_ids[b]].T for b in range(2)]))

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..ops import attention, loss, masking, mlp, patch_embed, step_graph
+from ..ops import attention, fusion_head, loss, masking, mlp, patch_embed, step_graph
 from . import _base
 from ._base import Patch
 
@@ -236,7 +236,10 @@ def make_mae_forward_encoder(original: Callable, cls: type) -> Callable:
         intermediates = intermediates[: self.q_pool] + intermediates[-1:]
         fused = 0.0
         for head, features in zip(self.multi_scale_fusion_heads, intermediates):
-            fused = fused + apply_fusion_head(head, features)  # (B, n_keep, *unit_final, C)
+            if fusion_head.as_matmul and fusion_head.usable(head, features):
+                fused = fused + fusion_head.patchify_head(head, features)  # (B, n_keep, *unit_final, C)
+            else:
+                fused = fused + apply_fusion_head(head, features)
         return self.encoder_norm(fused)
 
     def mae_forward_encoder(self, x, mask_ratio, mask=None):
