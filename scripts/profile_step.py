@@ -56,7 +56,7 @@ INDUCTOR_SWITCHES = {
     "combo": {"combo_kernels": True},  # independent small kernels (e.g. weight-grad sums) as one launch
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
-            "full_decoder", *INDUCTOR_SWITCHES)
+            "full_decoder", "unaligned_embed", "conv_heads", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -74,6 +74,9 @@ def parse_mode(mode: str) -> dict:
     full_decoder (the MAE decoder's last MLP, norm and head at every token, as before session 12;
     without it they run at the masked tokens only, ops/loss.py; ``decoder_rows`` names that default
     explicitly, as the session-11/12 commands did),
+    unaligned_embed (the kept-token patch embedding's matmul without its zero columns: 147-wide
+    rows, ops/patch_embed.aligned), conv_heads (the MAE fusion heads as FAIR's convolutions, not
+    matmuls: ops/fusion_head.as_matmul),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
     """
@@ -240,9 +243,25 @@ def kernel_breakdown(fn, steps: int = 3, top: int = 15):
     return result
 
 
+def matmul_flops(op: str, shapes) -> int:
+    """FLOPs of one ``aten::mm`` / ``addmm`` / ``bmm`` / ``baddbmm`` call from its input shapes
+    (the profiler's ``input_shapes``); 0 for any other op."""
+    name = op.split("::")[-1]
+    operands = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}.get(name)
+    if operands is None or len(shapes) <= operands[1]:
+        return 0
+    a, b = shapes[operands[0]], shapes[operands[1]]
+    if len(a) < 2 or len(b) < 2:
+        return 0
+    batch = a[0] if len(a) == 3 else 1
+    return 2 * batch * a[-2] * a[-1] * b[-1]
+
+
 def trace_kernels(fn, pattern: str, top: int = 15):
     """Which host ops launch the kernels whose name matches ``pattern``: op, its parents, input
-    shapes, and calls per step. Needs a step without CUDA graphs (a replay has no launching op)."""
+    shapes, calls per step, and for matmuls their TFLOP/s (FLOPs from the shapes, over the time of
+    every matching kernel the call launched: a split-K GEMM's reduction kernel counts). Needs a
+    step without CUDA graphs (a replay has no launching op)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
@@ -258,9 +277,15 @@ def trace_kernels(fn, pattern: str, top: int = 15):
             chain.append(parent.name[:80])
             parent = parent.cpu_parent
         key = " < ".join(chain) + f" {event.input_shapes}"
-        entry = launches.setdefault(key, {"launcher": key, "calls": 0, "kernel_ms": 0.0})
+        entry = launches.setdefault(key, {"launcher": key, "op_calls": 0, "calls": 0, "kernel_ms": 0.0,
+                                          "kernels": sorted({k.name[:80] for k in matching}), "gflop": 0.0})
+        entry["op_calls"] += 1
         entry["calls"] += len(matching)
         entry["kernel_ms"] += sum(k.duration for k in matching) / 1000
+        entry["gflop"] += matmul_flops(event.name, event.input_shapes) / 1e9
+    for entry in launches.values():
+        if entry["gflop"] and entry["kernel_ms"] > 0:
+            entry["tflop_per_s"] = entry["gflop"] / entry["kernel_ms"]
     return sorted(launches.values(), key=lambda e: -e["kernel_ms"])[:top]
 
 
@@ -288,7 +313,9 @@ def main(argv=None) -> int:
             parser.error(str(exc))
     import hiera_autopatch
     from hiera_autopatch.ops import attention as attention_ops
+    from hiera_autopatch.ops import fusion_head as fusion_head_ops
     from hiera_autopatch.ops import loss as loss_ops
+    from hiera_autopatch.ops import patch_embed as patch_embed_ops
     from hiera_autopatch.ops import step_graph
     from hiera_autopatch.ops.triton import window_attention
 
@@ -310,6 +337,8 @@ def main(argv=None) -> int:
         step_graph.backward_graph = "one_graph" not in spec["switches"]
         step_graph.capture = "no_capture" not in spec["switches"]
         loss_ops.decoder_rows = "full_decoder" not in spec["switches"]
+        patch_embed_ops.aligned = "unaligned_embed" not in spec["switches"]
+        fusion_head_ops.as_matmul = "conv_heads" not in spec["switches"]
         torch._dynamo.reset()  # each mode compiles afresh: no cache entry of another mode's options
         step_graph.reset()  # and captures afresh
         window_attention.TUNED.clear()

@@ -78,6 +78,8 @@ SWITCH_LABELS = {
     "no_capture": "compiled whole step, not captured",
     "decoder_rows": "decoder's last MLP and head at the masked tokens only",
     "full_decoder": "decoder's last MLP and head at every token",
+    "unaligned_embed": "kept-token patch embedding without its aligning zero columns",
+    "conv_heads": "MAE fusion heads as FAIR's convolutions",
 }
 
 

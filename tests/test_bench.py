@@ -447,6 +447,15 @@ def test_profile_step_modes_parse_and_bad_ones_are_rejected():
     assert set(profile_step.SWITCHES) - {"tuned_attention"} <= set(table.SWITCH_LABELS)
 
 
+def test_profile_step_counts_matmul_flops_from_profiler_shapes():
+    profile_step = _load_script("profile_step")
+    assert profile_step.matmul_flops("aten::mm", [[128, 96], [96, 384]]) == 2 * 128 * 96 * 384
+    assert profile_step.matmul_flops("aten::addmm", [[384], [128, 96], [96, 384], [], []]) == 2 * 128 * 96 * 384
+    assert profile_step.matmul_flops("aten::bmm", [[4, 16, 32], [4, 32, 8]]) == 2 * 4 * 16 * 32 * 8
+    assert profile_step.matmul_flops("aten::add", [[128, 96], [128, 96]]) == 0
+    assert profile_step.matmul_flops("aten::mm", [[128], []]) == 0
+
+
 def test_profile_step_inductor_switches_add_to_the_graphed_options():
     profile_step = _load_script("profile_step")
     from hiera_autopatch.ops import step_graph
