@@ -20,7 +20,7 @@ import sys
 
 HOPPER_SHARED_BYTES = 227 * 1024  # what one block may use on sm_90
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_POINTERS = {"QKV": None, "OUT": None, "DOUT": None, "DQKV": None, "LSE": "fp32", "DELTA": "fp32"}
+_POINTERS = {"QKV": None, "OUT": None, "DOUT": None, "DQKV": None, "LSE": "fp32", "DELTA": "fp32", "DBIAS": "fp32"}
 _FLOATS = {"qk_scale", "sm_scale"}
 
 
@@ -55,14 +55,16 @@ def check(wa, name: str, nw: int, T: int, H: int, D: int, S: int, dtype: str, co
     fwd = dict(common, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
     bwd = dict(common, BLOCK_M=cfg["BLOCK_M_BWD"], BLOCK_N=cfg["BLOCK_N_BWD"], POOL_AMAX=False)
     single_kv = wa.backward_is_single_pass(cfg, T)
-    shared = {
-        "fwd": shared_bytes(wa._window_attention_fwd_kernel, dtype, fwd, cfg["num_warps"], cfg["num_stages"]),
-        "bwd_dkdv": shared_bytes(wa._window_attention_bwd_dkdv_kernel, dtype, dict(bwd, SINGLE_KV=single_kv),
-                                 cfg["num_warps_bwd"], cfg["num_stages_bwd"]),
-    }
-    if not single_kv:
-        shared["bwd_dq"] = shared_bytes(wa._window_attention_bwd_dq_kernel, dtype, bwd,
-                                        cfg["num_warps_bwd"], cfg["num_stages_bwd"])
+    shared = {"fwd": shared_bytes(wa._window_attention_fwd_kernel, dtype, fwd, cfg["num_warps"], cfg["num_stages"])}
+    for bias_grad in (False, True):  # without / with the qkv bias's partial sums
+        suffix = "+bias" if bias_grad else ""
+        variant = dict(bwd, BIAS_GRAD=bias_grad)
+        shared["bwd_dkdv" + suffix] = shared_bytes(wa._window_attention_bwd_dkdv_kernel, dtype,
+                                                   dict(variant, SINGLE_KV=single_kv),
+                                                   cfg["num_warps_bwd"], cfg["num_stages_bwd"])
+        if not single_kv:
+            shared["bwd_dq" + suffix] = shared_bytes(wa._window_attention_bwd_dq_kernel, dtype, variant,
+                                                     cfg["num_warps_bwd"], cfg["num_stages_bwd"])
     return {"shape": name, "dtype": dtype, "config": cfg, "shared_bytes": shared,
             "fits": max(shared.values()) <= HOPPER_SHARED_BYTES}
 

@@ -80,6 +80,7 @@ SWITCH_LABELS = {
     "full_decoder": "decoder's last MLP and head at every token",
     "unaligned_embed": "kept-token patch embedding without its aligning zero columns",
     "conv_heads": "MAE fusion heads as FAIR's convolutions",
+    "bias_sums": "qkv bias gradients from autograd's reduction",
 }
 
 

@@ -179,6 +179,50 @@ def test_cpu_every_element_written():
     assert (q_grad == 0).float().mean().item() >= 0.74
 
 
+BIAS_CASES = [case for case in CPU_CASES if case.id in (
+    "nw3-T16-S4-H2-D24", "nw5-partial-group-D40", "global-T40-multiblock", "global-T32-S4-multiblock",
+    "G2-groups-span-blocks", "decoder-T196-D32-tuned", "stage3-pool-T16-S4-D96-tuned",
+    "fwd-onepass-bwd-multiblock")]
+
+
+@cpu_only
+@pytest.mark.parametrize("B,nw,T,H,D,S,config", BIAS_CASES)
+@pytest.mark.parametrize("pool", ["max", "amax"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_cpu_bias_gradient_from_the_kernels(B, nw, T, H, D, S, config, pool, dtype):
+    """``window_attention(qkv + bias.detach(), bias=bias)``: the bias's gradient is dqkv summed
+    over rows, from the kernels' partial sums (one-pass and dk/dv + dq grids, pooled ties too)."""
+    qkv = make_qkv(B, nw, T, H, D, dtype, "cpu", ties=S > 1).requires_grad_(True)
+    bias = torch.randn(3 * H * D, generator=torch.Generator().manual_seed(2)).to(dtype).requires_grad_(True)
+    out = wa.window_attention(qkv, nw, H, S, pool, config, bias=bias)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    dqkv, dbias = torch.autograd.grad(out, (qkv, bias), dout)
+    assert dbias.dtype == dtype and dbias.shape == bias.shape
+    # the kernels' own dqkv, summed over rows in float64: only the order of the fp32 sums differs
+    torch.testing.assert_close(dbias.double(), dqkv.double().sum((0, 1)).to(dtype).double(),
+                               rtol=1e-5 if dtype == torch.float32 else 2e-3, atol=1e-5)
+    # and FAIR's math: the reference's qkv gradient summed over rows
+    xr = qkv.detach().double().requires_grad_(True)
+    (dref,) = torch.autograd.grad(wa.window_attention_reference(xr, nw, H, S, pool), xr, dout.double())
+    assert_close_verbose("dbias", dbias, dref.sum((0, 1)), dtype)
+    # without a bias, no partial sums and the same dqkv
+    (dqkv_plain,) = torch.autograd.grad(wa.window_attention(qkv, nw, H, S, pool, config), qkv, dout)
+    assert torch.equal(dqkv_plain, dqkv)
+
+
+@cpu_only
+def test_cpu_bias_gradient_in_the_bias_dtype_as_under_autocast():
+    """fp32 bias, half qkv (autocast): addmm's backward sums dqkv in half, then casts to fp32."""
+    B, nw, T, H, D, S = 2, 3, 16, 2, 24, 4
+    qkv = make_qkv(B, nw, T, H, D, torch.float16, "cpu").requires_grad_(True)
+    bias = torch.randn(3 * H * D, requires_grad=True)
+    out = wa.window_attention(qkv, nw, H, S, "max", bias=bias)
+    dqkv, dbias = torch.autograd.grad(out, (qkv, bias), torch.ones_like(out))
+    assert dbias.dtype == torch.float32
+    assert torch.equal(dbias, dbias.half().float())  # rounded to half on the way, as FAIR's
+    torch.testing.assert_close(dbias, dqkv.float().sum((0, 1)).half().float(), rtol=2e-3, atol=1e-4)
+
+
 def test_config_backward_keys_follow_the_forward_unless_set(monkeypatch):
     monkeypatch.setattr(wa, "TUNED", {(196, 1, 32): {"BLOCK_M": 128, "BLOCK_M_BWD": 16}})
     untuned = wa.full_config(None, 64, 1, 96, 19)
@@ -336,6 +380,32 @@ def test_cpu_mae_through_the_kernel_matches_fair():
     finally:
         hiera_autopatch.disable()
         torch._dynamo.reset()
+
+
+@cpu_only
+@pytest.mark.parametrize("fused", [True, False], ids=["kernel-bias-grad", "autograd-bias-grad"])
+@pytest.mark.parametrize("kind", ["mae", "cls"])
+def test_cpu_qkv_bias_gradient_through_the_kernel_matches_fair(monkeypatch, fused, kind):
+    """attention.fused_bias_grad: the qkv Linears' bias gradients from the kernels' partial sums
+    (on) or autograd's reduction (off); every output and gradient matches FAIR's either way."""
+    pytest.importorskip("hiera")
+    import hiera_autopatch
+    from equivalence import assert_equivalent, fair_model, input_for, run_pair
+    from hiera_autopatch.ops import attention
+
+    monkeypatch.setattr(attention, "fused_bias_grad", fused)
+    calls, real = [], wa.bias_part_buffer
+    monkeypatch.setattr(wa, "bias_part_buffer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    hiera_autopatch.enable(attention="triton")
+    try:
+        torch.manual_seed(0)
+        model = fair_model(kind, "tiny", stages=(1, 1, 1, 1))
+        unpatched, patched = run_pair(model, input_for(model), lambda m, x: m(x))
+        assert_equivalent(unpatched, patched, 1e-5, 1e-4)
+        attention_layers = sum(1 for m in model.modules() if type(m).__name__ == "MaskUnitAttention")
+        assert len(calls) == (attention_layers if fused else 0)
+    finally:
+        hiera_autopatch.disable()
 
 
 @cpu_only

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import mlp
 from .triton import window_attention as triton_attention
 
 MAX_FUSED_BATCH = 65535
@@ -72,6 +73,38 @@ def use_triton(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int) -
         and torch.compiler.is_compiling()
         and qkv.shape[1] // num_windows <= triton_max_keys(head_dim)
     )
+
+
+fused_bias_grad = True
+"""Where our Triton kernel runs after a plain ``nn.Linear`` qkv with a bias: the bias's gradient
+from column sums the backward kernels take while they write dqkv (``qkv_attention``), instead of
+autograd's reduction, which reads dqkv again (two kernels a layer). On the H200 step's kernel map
+(``h200_profile_final.json``) such sums took 1.03 ms in 192 kernels, ~64% of their bytes dqkv's
+(from the shapes). False: autograd's reduction (``scripts/profile_step.py``'s ``+bias_sums``)."""
+
+
+def _plain_biased_linear(linear: torch.nn.Module) -> bool:
+    return (type(linear) is torch.nn.Linear and linear.bias is not None and linear.bias.requires_grad
+            and torch.is_grad_enabled() and mlp.no_hooks(linear))
+
+
+def qkv_attention(x: torch.Tensor, qkv_linear: torch.nn.Module, num_windows: int, heads: int,
+                  q_stride: int, pool: str = "max") -> torch.Tensor:
+    """``mask_unit_attention(qkv_linear(x), ...)``, the same values.
+
+    When our kernel takes the call and ``qkv_linear`` is a plain Linear with a bias: qkv is
+    ``F.linear`` with a detached bias (FAIR's values, bit for bit) and the bias goes to the kernel,
+    whose backward gives its gradient (``fused_bias_grad``). Where the kernel then declines the
+    call after all, the Linear runs again: only under torch.compile (which drops the unused
+    product) or with ``HIERA_OPTIM_ATTENTION=triton`` on a call it does not support."""
+    may_take = backend == "triton" or (backend == "auto" and torch.compiler.is_compiling())
+    if fused_bias_grad and may_take and x.dim() == 3 and _plain_biased_linear(qkv_linear):
+        qkv = F.linear(x, qkv_linear.weight, qkv_linear.bias.detach())  # (B, N, 3*H*D)
+        if use_triton(qkv, num_windows, heads, q_stride):
+            _record(qkv, num_windows, heads, q_stride, "triton")
+            return triton_attention.window_attention(qkv, num_windows, heads, q_stride, pool,
+                                                     bias=qkv_linear.bias)
+    return mask_unit_attention(qkv_linear(x), num_windows, heads, q_stride, pool)
 
 
 def pool_q(q: torch.Tensor, q_stride: int, pool: str) -> torch.Tensor:

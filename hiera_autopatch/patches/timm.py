@@ -29,7 +29,7 @@ def make_attention_forward(original: Callable, cls: type) -> Callable:
             return original(self, x)
         batch, tokens, _ = x.shape
         num_windows = (tokens // (self.q_stride * self.window_size)) if self.use_mask_unit_attn else 1
-        out = attention.mask_unit_attention(self.qkv(x), num_windows, self.heads, self.q_stride, pool="amax")
+        out = attention.qkv_attention(x, self.qkv, num_windows, self.heads, self.q_stride, pool="amax")
         return self.proj(out)
 
     return mask_unit_attention_forward

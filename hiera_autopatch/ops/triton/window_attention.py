@@ -127,15 +127,22 @@ if HAS_TRITON:
         return q
 
     @triton.jit
+    def _column_sums(stored, mask):
+        # (ROWS, BLOCK_D) values as stored (in dqkv's dtype) -> (BLOCK_D,) fp32 sums of the rows in mask
+        return tl.sum(tl.where(mask, stored.to(tl.float32), 0.0), 0)
+
+    @triton.jit
     def _store_dq_through_pool(dq_ptr, q_ptr, dq, q_max, tq, w, mask, offs_d, NW,
                                ROW: tl.constexpr, Tq: tl.constexpr, S: tl.constexpr,
                                POOL_AMAX: tl.constexpr):
         # dq: (BLOCK_M, BLOCK_D) fp32 gradient of the pooled q. Writes all S pool slots (zeros where
-        # a slot gets no gradient) so that dqkv needs no zero-fill.
+        # a slot gets no gradient) so that dqkv needs no zero-fill. Returns the column sums of what
+        # it wrote, (BLOCK_D,) fp32: this block's share of the q bias gradient.
         if S == 1:
             rows = tq * NW + w
-            tl.store(dq_ptr + rows[:, None] * ROW + offs_d[None, :],
-                     dq.to(dq_ptr.dtype.element_ty), mask=mask)
+            stored = dq.to(dq_ptr.dtype.element_ty)
+            tl.store(dq_ptr + rows[:, None] * ROW + offs_d[None, :], stored, mask=mask)
+            sums = _column_sums(stored, mask)
         elif POOL_AMAX:
             # amax backward: split evenly among the tied maxima
             n_ties = tl.zeros_like(dq)
@@ -144,23 +151,26 @@ if HAS_TRITON:
                 q_s = tl.load(q_ptr + rows[:, None] * ROW + offs_d[None, :], mask=mask, other=0.0)
                 n_ties += tl.where(q_s == q_max, 1.0, 0.0)
             share = dq / tl.maximum(n_ties, 1.0)
+            sums = tl.zeros_like(offs_d).to(tl.float32)
             for s in tl.static_range(S):
                 rows = (s * Tq + tq) * NW + w
                 q_s = tl.load(q_ptr + rows[:, None] * ROW + offs_d[None, :], mask=mask, other=0.0)
-                g_s = tl.where(q_s == q_max, share, 0.0)
-                tl.store(dq_ptr + rows[:, None] * ROW + offs_d[None, :],
-                         g_s.to(dq_ptr.dtype.element_ty), mask=mask)
+                stored = tl.where(q_s == q_max, share, 0.0).to(dq_ptr.dtype.element_ty)
+                tl.store(dq_ptr + rows[:, None] * ROW + offs_d[None, :], stored, mask=mask)
+                sums += _column_sums(stored, mask)
         else:
             # max(dim).values backward: all of it to the first maximal slot
             taken = tl.zeros_like(dq)  # 1.0 once a slot has taken the gradient
+            sums = tl.zeros_like(offs_d).to(tl.float32)
             for s in tl.static_range(S):
                 rows = (s * Tq + tq) * NW + w
                 q_s = tl.load(q_ptr + rows[:, None] * ROW + offs_d[None, :], mask=mask, other=0.0)
                 first = (q_s == q_max) & (taken == 0.0)
                 taken = tl.where(first, 1.0, taken)
-                g_s = tl.where(first, dq, 0.0)
-                tl.store(dq_ptr + rows[:, None] * ROW + offs_d[None, :],
-                         g_s.to(dq_ptr.dtype.element_ty), mask=mask)
+                stored = tl.where(first, dq, 0.0).to(dq_ptr.dtype.element_ty)
+                tl.store(dq_ptr + rows[:, None] * ROW + offs_d[None, :], stored, mask=mask)
+                sums += _column_sums(stored, mask)
+        return sums
 
     @triton.jit
     def _window_attention_fwd_kernel(
@@ -223,14 +233,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _window_attention_bwd_dkdv_kernel(
-        QKV, DOUT, LSE, DELTA, DQKV,
-        NW, n_groups, n_k_blocks, qk_scale, sm_scale,
+        QKV, DOUT, LSE, DELTA, DQKV, DBIAS,
+        NW, n_groups, n_k_blocks, part_blocks, qk_scale, sm_scale,
         H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        POOL_AMAX: tl.constexpr, SINGLE_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        POOL_AMAX: tl.constexpr, SINGLE_KV: tl.constexpr, BIAS_GRAD: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
         # One key block: dk, dv over all query blocks that see it. SINGLE_KV (the group's keys fit
         # this one block): each query row's P is complete here, so also delta and dq.
+        # BIAS_GRAD: the column sums of the dq, dk, dv it writes go to DBIAS (rows, 3*H*D) fp32,
+        # row (b*n_groups + group)*part_blocks + block, for the qkv bias gradient.
         Tq: tl.constexpr = T // S
         ROW: tl.constexpr = 3 * H * D
         OUT_ROW: tl.constexpr = H * D
@@ -257,6 +270,7 @@ if HAS_TRITON:
         v = tl.load(v_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dq_sums = tl.zeros([BLOCK_D], tl.float32)  # SINGLE_KV: column sums of the dq written
 
         # query blocks that hold the windows of this key block
         n_first = nb * BLOCK_N
@@ -285,13 +299,19 @@ if HAS_TRITON:
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
             if SINGLE_KV:
                 dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * sm_scale
-                _store_dq_through_pool(dq_ptr, q_ptr, dq, q, tq, w_q, q_mask, offs_d, NW, ROW,
-                                       Tq, S, POOL_AMAX)
+                dq_sums += _store_dq_through_pool(dq_ptr, q_ptr, dq, q, tq, w_q, q_mask, offs_d, NW,
+                                                  ROW, Tq, S, POOL_AMAX)
 
-        tl.store(dk_ptr + k_rows[:, None] * ROW + offs_d[None, :],
-                 (dk * sm_scale).to(DQKV.dtype.element_ty), mask=k_mask)
-        tl.store(dv_ptr + k_rows[:, None] * ROW + offs_d[None, :],
-                 dv.to(DQKV.dtype.element_ty), mask=k_mask)
+        dk = (dk * sm_scale).to(DQKV.dtype.element_ty)
+        dv = dv.to(DQKV.dtype.element_ty)
+        tl.store(dk_ptr + k_rows[:, None] * ROW + offs_d[None, :], dk, mask=k_mask)
+        tl.store(dv_ptr + k_rows[:, None] * ROW + offs_d[None, :], dv, mask=k_mask)
+        if BIAS_GRAD:
+            part = DBIAS + ((b64 * n_groups + grp) * part_blocks + nb) * ROW + h * D + offs_d
+            if SINGLE_KV:
+                tl.store(part, dq_sums, mask=d_ok)
+            tl.store(part + H * D, _column_sums(dk, k_mask), mask=d_ok)
+            tl.store(part + 2 * H * D, _column_sums(dv, k_mask), mask=d_ok)
 
     @triton.jit
     def _window_attention_bwd_delta_kernel(
@@ -318,13 +338,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _window_attention_bwd_dq_kernel(
-        QKV, DOUT, LSE, DELTA, DQKV,
-        NW, n_groups, n_q_blocks, qk_scale, sm_scale,
+        QKV, DOUT, LSE, DELTA, DQKV, DBIAS,
+        NW, n_groups, n_q_blocks, part_blocks, qk_scale, sm_scale,
         H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        POOL_AMAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        POOL_AMAX: tl.constexpr, BIAS_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         # One query block: dq over the key blocks it sees (only when keys span several blocks).
+        # BIAS_GRAD: the column sums of the dq it writes go to DBIAS, as in the dk/dv kernel.
         Tq: tl.constexpr = T // S
         ROW: tl.constexpr = 3 * H * D
         OUT_ROW: tl.constexpr = H * D
@@ -368,8 +389,11 @@ if HAS_TRITON:
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
 
-        _store_dq_through_pool(dq_ptr, q_ptr, dq * sm_scale, q, tq, w_q, q_mask, offs_d, NW, ROW,
-                               Tq, S, POOL_AMAX)
+        dq_sums = _store_dq_through_pool(dq_ptr, q_ptr, dq * sm_scale, q, tq, w_q, q_mask, offs_d, NW,
+                                         ROW, Tq, S, POOL_AMAX)
+        if BIAS_GRAD:
+            part = DBIAS + ((b64 * n_groups + grp) * part_blocks + mb) * ROW + h * D + offs_d
+            tl.store(part, dq_sums, mask=d_ok)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -548,12 +572,42 @@ def backward_is_single_pass(cfg: Dict[str, int], T: int) -> bool:
     return cfg["G"] * T <= cfg["BLOCK_N_BWD"]
 
 
+def _backward_blocks(cfg: Dict[str, int], num_windows: int, T: int, Tq: int) -> Tuple[int, int, int, int]:
+    """(groups, key blocks, query blocks, rows of bias partial sums per group) of the backward grid.
+    One pass: the dk/dv kernel's programs, one row each. Otherwise the dk/dv and the dq kernels each
+    write their own programs' rows."""
+    n_groups = -(-num_windows // cfg["G"])
+    n_k_blocks = -(-cfg["G"] * T // cfg["BLOCK_N_BWD"])
+    n_q_blocks = -(-cfg["G"] * Tq // cfg["BLOCK_M_BWD"])
+    part_blocks = n_k_blocks if backward_is_single_pass(cfg, T) else max(n_k_blocks, n_q_blocks)
+    return n_groups, n_k_blocks, n_q_blocks, part_blocks
+
+
+def bias_part_buffer(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int,
+                     config: Optional[Dict[str, int]] = None) -> torch.Tensor:
+    """What ``window_attention_backward(bias_part=...)`` fills: (rows, 3*H*D) fp32 partial column
+    sums of dqkv, whose sum over rows is the gradient of a bias added to qkv. Zero-filled only when
+    some rows are not written (keys over several blocks: the dk/dv and dq kernels' grids differ)."""
+    rows, every_row_written = _bias_part_rows(qkv, num_windows, heads, q_stride, config)
+    alloc = torch.empty if every_row_written else torch.zeros
+    return alloc(rows, qkv.shape[2], device=qkv.device, dtype=torch.float32)
+
+
+def _bias_part_rows(qkv, num_windows, heads, q_stride, config) -> Tuple[int, bool]:
+    B, N, D, T, Tq = _dims(qkv, num_windows, heads, q_stride)
+    cfg = full_config(config, T, q_stride, D, num_windows, qkv.dtype.itemsize)
+    n_groups, _, _, part_blocks = _backward_blocks(cfg, num_windows, T, Tq)
+    return B * n_groups * part_blocks, backward_is_single_pass(cfg, T)
+
+
 def window_attention_backward(
     dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     num_windows: int, heads: int, q_stride: int, pool: str = "max",
     config: Optional[Dict[str, int]] = None, dqkv: Optional[torch.Tensor] = None,
+    bias_part: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """-> dqkv (B, N, 3*H*D) in qkv's layout; every element written."""
+    """-> dqkv (B, N, 3*H*D) in qkv's layout; every element written. ``bias_part`` (from
+    ``bias_part_buffer``): also fill it with dqkv's partial column sums, as the kernels write dqkv."""
     if pool not in POOL_MODES:
         raise ValueError(f"pool must be one of {POOL_MODES}, got {pool!r}")
     qkv = qkv.contiguous()
@@ -563,13 +617,14 @@ def window_attention_backward(
     G, BM, BN, BD = cfg["G"], cfg["BLOCK_M_BWD"], cfg["BLOCK_N_BWD"], max(16, _next_pow2(D))
     if dqkv is None:
         dqkv = torch.empty_like(qkv)
-    n_groups = triton.cdiv(num_windows, G)
-    n_k_blocks = triton.cdiv(G * T, BN)
+    n_groups, n_k_blocks, n_q_blocks, part_blocks = _backward_blocks(cfg, num_windows, T, Tq)
     single_kv = backward_is_single_pass(cfg, T)
     sm_scale = D ** -0.5
     common = dict(H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
-                  POOL_AMAX=pool == "amax", DOT_PRECISION=_dot_precision(qkv.dtype),
+                  POOL_AMAX=pool == "amax", BIAS_GRAD=bias_part is not None,
+                  DOT_PRECISION=_dot_precision(qkv.dtype),
                   num_warps=cfg["num_warps_bwd"], num_stages=cfg["num_stages_bwd"])
+    part = dqkv if bias_part is None else bias_part  # (a pointer the kernels then never touch)
     with _on_device(qkv):
         if single_kv:
             delta = lse  # unused (the kernel takes delta from P * dP)
@@ -583,15 +638,14 @@ def window_attention_backward(
                 H=heads, D=D, Tq=Tq, BLOCK_R=block_r, BLOCK_D=BD, num_warps=4,
             )
         _window_attention_bwd_dkdv_kernel[(B * n_groups * heads * n_k_blocks,)](
-            qkv, dout, lse, delta, dqkv,
-            num_windows, n_groups, n_k_blocks, sm_scale * _LOG2E, sm_scale,
+            qkv, dout, lse, delta, dqkv, part,
+            num_windows, n_groups, n_k_blocks, part_blocks, sm_scale * _LOG2E, sm_scale,
             SINGLE_KV=single_kv, **common,
         )
         if not single_kv:
-            n_q_blocks = triton.cdiv(G * Tq, BM)
             _window_attention_bwd_dq_kernel[(B * n_groups * heads * n_q_blocks,)](
-                qkv, dout, lse, delta, dqkv,
-                num_windows, n_groups, n_q_blocks, sm_scale * _LOG2E, sm_scale, **common,
+                qkv, dout, lse, delta, dqkv, part,
+                num_windows, n_groups, n_q_blocks, part_blocks, sm_scale * _LOG2E, sm_scale, **common,
             )
     return dqkv
 
@@ -612,12 +666,13 @@ def _config_list(config: Optional[Dict[str, int]], qkv: torch.Tensor, num_window
 # graphs capture them, so the same kernel serves eager, compiled and graphed steps.
 @torch.library.custom_op("hiera_autopatch::window_attention", mutates_args=())
 def _forward_op(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int, pool: str,
-                config: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+                config: List[int], bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    # bias: the one already added into qkv (see window_attention); only its gradient is ours
     return window_attention_forward(qkv, num_windows, heads, q_stride, dict(zip(_CONFIG_KEYS, config)))
 
 
 @_forward_op.register_fake
-def _forward_shapes(qkv, num_windows, heads, q_stride, pool, config):
+def _forward_shapes(qkv, num_windows, heads, q_stride, pool, config, bias):
     B, N, D, T, Tq = _dims(qkv, num_windows, heads, q_stride)
     out = qkv.new_empty(B, Tq * num_windows, heads * D)  # (B, Tq*nw, H*D)
     lse = qkv.new_empty(B, heads, num_windows, Tq, dtype=torch.float32)  # (B, H, nw, Tq)
@@ -627,28 +682,40 @@ def _forward_shapes(qkv, num_windows, heads, q_stride, pool, config):
 @torch.library.custom_op("hiera_autopatch::window_attention_backward", mutates_args=())
 def _backward_op(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  num_windows: int, heads: int, q_stride: int, pool: str,
-                 config: List[int]) -> torch.Tensor:
-    return window_attention_backward(dout, qkv, out, lse, num_windows, heads, q_stride, pool,
-                                     dict(zip(_CONFIG_KEYS, config)))
+                 config: List[int], bias_grad: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """-> dqkv, and with ``bias_grad`` its partial column sums (else an empty (0, 3*H*D))."""
+    config = dict(zip(_CONFIG_KEYS, config))
+    part = (bias_part_buffer(qkv, num_windows, heads, q_stride, config) if bias_grad
+            else qkv.new_empty(0, qkv.shape[2], dtype=torch.float32))
+    dqkv = window_attention_backward(dout, qkv, out, lse, num_windows, heads, q_stride, pool, config,
+                                     bias_part=part if bias_grad else None)
+    return dqkv, part
 
 
 @_backward_op.register_fake
-def _backward_shapes(dout, qkv, out, lse, num_windows, heads, q_stride, pool, config):
-    return torch.empty_like(qkv, memory_format=torch.contiguous_format)  # (B, N, 3*H*D)
+def _backward_shapes(dout, qkv, out, lse, num_windows, heads, q_stride, pool, config, bias_grad):
+    dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)  # (B, N, 3*H*D)
+    rows = _bias_part_rows(qkv, num_windows, heads, q_stride, dict(zip(_CONFIG_KEYS, config)))[0]
+    return dqkv, qkv.new_empty(rows if bias_grad else 0, qkv.shape[2], dtype=torch.float32)
 
 
 def _save_for_backward(ctx, inputs, output):
-    qkv, num_windows, heads, q_stride, pool, config = inputs
+    qkv, num_windows, heads, q_stride, pool, config, bias = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(qkv, out, lse)
     ctx.args = (num_windows, heads, q_stride, pool, config)
+    ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _backward(ctx, dout, dlse):
     qkv, out, lse = ctx.saved_tensors
-    dqkv = _backward_op(dout, qkv, out, lse, *ctx.args)
-    return dqkv, None, None, None, None, None
+    bias_grad = ctx.bias_dtype is not None and ctx.needs_input_grad[6]
+    dqkv, part = _backward_op(dout, qkv, out, lse, *ctx.args, bias_grad)
+    # the bias's gradient as addmm's backward gives it: dqkv summed over rows (in fp32, rounded to
+    # qkv's dtype), then in the bias's own dtype (fp32 under autocast)
+    dbias = part.sum(0).to(qkv.dtype).to(ctx.bias_dtype) if bias_grad else None
+    return dqkv, None, None, None, None, None, dbias
 
 
 _forward_op.register_autograd(_backward, setup_context=_save_for_backward)
@@ -656,14 +723,17 @@ _forward_op.register_autograd(_backward, setup_context=_save_for_backward)
 
 def window_attention(
     qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int, pool: str = "max",
-    config: Optional[Dict[str, int]] = None,
+    config: Optional[Dict[str, int]] = None, bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Hiera mask-unit attention: qkv (B, N, 3*H*D) -> (B, (N // S), H*D), FAIR's layouts.
 
     ``pool``: "max" (FAIR, gradient to the first maximal slot) or "amax" (timm, split on ties).
+    ``bias``: the (3*H*D,) bias the caller already added into ``qkv`` through a detached copy
+    (``F.linear(x, w, bias.detach())``): its gradient, dqkv summed over rows, then comes from sums
+    the backward kernels take as they write dqkv, instead of a reduction that reads dqkv again.
     Call ``supports(...)`` first; it is not checked here.
     """
     if pool not in POOL_MODES:
         raise ValueError(f"pool must be one of {POOL_MODES}, got {pool!r}")
     config_list = _config_list(config, qkv, num_windows, heads, q_stride)
-    return _forward_op(qkv.contiguous(), num_windows, heads, q_stride, pool, config_list)[0]
+    return _forward_op(qkv.contiguous(), num_windows, heads, q_stride, pool, config_list, bias)[0]
