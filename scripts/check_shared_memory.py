@@ -24,8 +24,31 @@ _POINTERS = {"QKV": None, "OUT": None, "DOUT": None, "DQKV": None, "LSE": "fp32"
 _FLOATS = {"qk_scale", "sm_scale"}
 
 
-def shared_bytes(kernel, dtype: str, constexprs: dict, num_warps: int, num_stages: int) -> int:
-    """Compile ``kernel`` (a @triton.jit function) for sm_90 with these constexprs; its shared bytes."""
+def ptxas_usage(compiled) -> dict:
+    """Registers a thread and spill bytes (stores, loads) of a compiled kernel, from ``ptxas -v``
+    on its PTX for sm_90a (Triton's own ptxas)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90)
+    ptxas = getattr(ptxas, "path", ptxas)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as fh:
+            fh.write(compiled.asm["ptx"])
+        report = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    number = lambda pattern: int(re.search(pattern, report).group(1))  # noqa: E731
+    return {"registers": number(r"Used (\d+) registers"),
+            "spill_store_bytes": number(r"(\d+) bytes spill stores"),
+            "spill_load_bytes": number(r"(\d+) bytes spill loads")}
+
+
+def compile_sm90(kernel, dtype: str, constexprs: dict, num_warps: int, num_stages: int):
+    """``kernel`` (a @triton.jit function) compiled for sm_90 with these constexprs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -41,32 +64,41 @@ def shared_bytes(kernel, dtype: str, constexprs: dict, num_warps: int, num_stage
             signature[name] = "fp32" if name in _FLOATS else "i32"
     source = ASTSource(fn=kernel, signature=signature,
                        constexprs={(params.index(name),): value for name, value in constexprs.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
-    return int(compiled.metadata.shared)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def check(wa, name: str, nw: int, T: int, H: int, D: int, S: int, dtype: str, config=None) -> dict:
+def check(wa, name: str, nw: int, T: int, H: int, D: int, S: int, dtype: str, config=None,
+          registers: bool = False) -> dict:
     """Shared bytes of the forward, the dk/dv backward and (keys over several blocks) the dq kernel,
-    at the launchers' config (``config``: keys that override it, as the launchers' argument)."""
+    at the launchers' config (``config``: keys that override it, as the launchers' argument);
+    ``registers``: also each kernel's registers and spill bytes (``ptxas_usage``)."""
     cfg = wa.full_config(config, T, S, D, nw, DTYPES[dtype])
     common = dict(H=H, D=D, T=T, S=S, G=cfg["G"], BLOCK_D=max(16, wa._next_pow2(D)),
                   DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")  # fp32: as without allow_tf32
     fwd = dict(common, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
     bwd = dict(common, BLOCK_M=cfg["BLOCK_M_BWD"], BLOCK_N=cfg["BLOCK_N_BWD"], POOL_AMAX=False)
     single_kv = wa.backward_is_single_pass(cfg, T)
-    shared = {"fwd": shared_bytes(wa._window_attention_fwd_kernel, dtype, fwd, cfg["num_warps"], cfg["num_stages"])}
+    kernels = {"fwd": (wa._window_attention_fwd_kernel, fwd, cfg["num_warps"], cfg["num_stages"])}
     for bias_grad in (False, True):  # without / with the qkv bias's partial sums
         suffix = "+bias" if bias_grad else ""
         variant = dict(bwd, BIAS_GRAD=bias_grad)
-        shared["bwd_dkdv" + suffix] = shared_bytes(wa._window_attention_bwd_dkdv_kernel, dtype,
-                                                   dict(variant, SINGLE_KV=single_kv),
-                                                   cfg["num_warps_bwd"], cfg["num_stages_bwd"])
+        kernels["bwd_dkdv" + suffix] = (wa._window_attention_bwd_dkdv_kernel, dict(variant, SINGLE_KV=single_kv),
+                                        cfg["num_warps_bwd"], cfg["num_stages_bwd"])
         if not single_kv:
-            shared["bwd_dq" + suffix] = shared_bytes(wa._window_attention_bwd_dq_kernel, dtype, variant,
-                                                     cfg["num_warps_bwd"], cfg["num_stages_bwd"])
-    return {"shape": name, "dtype": dtype, "config": cfg, "shared_bytes": shared,
-            "fits": max(shared.values()) <= HOPPER_SHARED_BYTES}
+            kernels["bwd_dq" + suffix] = (wa._window_attention_bwd_dq_kernel, variant,
+                                          cfg["num_warps_bwd"], cfg["num_stages_bwd"])
+    shared, usage = {}, {}
+    for kernel_name, (kernel, constexprs, num_warps, num_stages) in kernels.items():
+        compiled = compile_sm90(kernel, dtype, constexprs, num_warps, num_stages)
+        shared[kernel_name] = int(compiled.metadata.shared)
+        if registers:
+            usage[kernel_name] = ptxas_usage(compiled)
+    entry = {"shape": name, "dtype": dtype, "config": cfg, "shared_bytes": shared,
+             "fits": max(shared.values()) <= HOPPER_SHARED_BYTES}
+    if registers:
+        entry["ptxas"] = usage
+    return entry
 
 
 def main(argv=None) -> int:
@@ -74,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="", help="comma list of HIERA_B_SHAPES names (default: all)")
     ap.add_argument("--dtypes", default="bf16,fp32", help=f"comma list of {', '.join(DTYPES)}")
     ap.add_argument("--config", default="", help="JSON of config keys to override, e.g. a tuner candidate")
+    ap.add_argument("--registers", action="store_true",
+                    help="also registers and spill bytes per kernel (ptxas -v on the PTX)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret (set before triton imports)
@@ -90,9 +124,13 @@ def main(argv=None) -> int:
     results = []
     for name in names:
         for dtype in args.dtypes.split(","):
-            entry = check(wa, *shapes[name], dtype, json.loads(args.config) if args.config else None)
+            entry = check(wa, *shapes[name], dtype, json.loads(args.config) if args.config else None,
+                          registers=args.registers)
             results.append(entry)
             kb = ", ".join(f"{kernel} {size / 1024:.0f} KB" for kernel, size in entry["shared_bytes"].items())
+            if args.registers:
+                kb += "; spill stores " + ", ".join(f"{kernel} {use['spill_store_bytes']} B"
+                                                    for kernel, use in entry["ptxas"].items())
             print(f"{name:20s} {dtype}: {kb}{'' if entry['fits'] else '  > 227 KB: does not fit'}", flush=True)
     if args.json:
         with open(args.json, "w") as fh:

@@ -264,12 +264,16 @@ def test_launch_configs_fit_hopper_shared_memory(tmp_path):
     env = {"TRITON_INTERPRET": None, "PYTHONPATH": str(REPO)}
     out = tmp_path / "smem.json"
     run = run_python([script, "--shapes", "stage3-global-mae,stage4-pool-global,decoder",
-                      "--dtypes", "bf16,fp32", "--json", str(out)], env=env, timeout=900)
+                      "--dtypes", "bf16,fp32", "--registers", "--json", str(out)], env=env, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(out.read_text())
     assert len(report["results"]) == 6 and report["limit_bytes"] == 227 * 1024
     for entry in report["results"]:
         assert entry["fits"] and 0 < max(entry["shared_bytes"].values()) <= report["limit_bytes"], entry
+        # both backward variants (with and without the qkv bias sums), each read back from ptxas
+        assert {"bwd_dkdv", "bwd_dkdv+bias"} <= set(entry["ptxas"]) == set(entry["shared_bytes"]), entry
+        assert all(0 < use["registers"] <= 255 and use["spill_store_bytes"] >= 0
+                   for use in entry["ptxas"].values()), entry
     too_big = run_python([script, "--shapes", "stage3-global-mae", "--dtypes", "bf16",
                           "--config", '{"BLOCK_M": 128, "BLOCK_N": 256, "num_stages": 3}'], env=env, timeout=600)
     assert too_big.returncode == 1 and "does not fit" in too_big.stdout, too_big.stdout + too_big.stderr
