@@ -387,6 +387,36 @@ def test_cpu_mae_through_the_kernel_matches_fair():
 
 
 @cpu_only
+def test_cpu_mae_through_the_kernel_under_inductor_matches_fair(monkeypatch):
+    """As above, compiled by Inductor itself (CPU code around the interpreted kernel), which
+    partitions the joint graph its own way: the custom ops with the qkv bias's gradient (counted)
+    give FAIR's outputs and gradients. ``fallback_random``: the mask from eager's RNG, as FAIR's."""
+    pytest.importorskip("hiera")
+    import torch._inductor.config as inductor_config
+
+    import hiera_autopatch
+    from equivalence import assert_equivalent, fair_model, input_for, run_step
+
+    monkeypatch.setattr(inductor_config, "fallback_random", True)
+    calls, real = [], wa.bias_part_buffer
+    monkeypatch.setattr(wa, "bias_part_buffer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    hiera_autopatch.enable(attention="triton")
+    try:
+        torch.manual_seed(0)
+        model = fair_model("mae", "tiny", stages=(1, 1, 1, 1))
+        x = input_for(model)
+        with hiera_autopatch.disabled():
+            fair = run_step(model, x, lambda m, x: m(x))
+        torch._dynamo.reset()
+        compiled = run_step(model, x, torch.compile(lambda m, x: m(x), fullgraph=True))
+        assert_equivalent(fair, compiled, 1e-5, 1e-4)
+        assert len(calls) == 5  # one per attention layer: 4 encoder stages, 1 decoder block
+    finally:
+        hiera_autopatch.disable()
+        torch._dynamo.reset()
+
+
+@cpu_only
 @pytest.mark.parametrize("fused", [True, False], ids=["kernel-bias-grad", "autograd-bias-grad"])
 @pytest.mark.parametrize("kind", ["mae", "cls"])
 def test_cpu_qkv_bias_gradient_through_the_kernel_matches_fair(monkeypatch, fused, kind):
