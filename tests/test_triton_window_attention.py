@@ -351,6 +351,21 @@ def test_gpu_pool_ties_bf16(pool):
 
 
 @gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name,nw,T,H,D,S", GPU_SHAPES, ids=[s[0] for s in GPU_SHAPES])
+def test_gpu_bias_gradient_from_the_kernels(name, nw, T, H, D, S, dtype):
+    """The qkv bias's gradient from the backward kernels' partial sums: dqkv summed over rows."""
+    B = 32
+    qkv = make_qkv(B, nw, T, H, D, dtype, "cuda", seed=sum(map(ord, name))).requires_grad_(True)
+    bias = torch.randn(3 * H * D, device="cuda", dtype=dtype, requires_grad=True)
+    out = wa.window_attention(qkv, nw, H, S, "max", bias=bias)
+    dqkv, dbias = torch.autograd.grad(out, (qkv, bias), torch.randn_like(out))
+    torch.cuda.synchronize()
+    expected = dqkv.double().sum((0, 1)).to(dtype).double()
+    torch.testing.assert_close(dbias.double(), expected, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-4)
+
+
+@gpu_only
 @pytest.mark.parametrize("name,nw,T,H,D,S", GPU_SHAPES, ids=[s[0] for s in GPU_SHAPES])
 def test_gpu_every_element_written(name, nw, T, H, D, S):
     B = 8
