@@ -71,6 +71,13 @@ def tied_tokens(attn, batch=2, windows=4, seed=0):
     return base.repeat(1, attn.q_stride, 1, 1).reshape(batch, -1, attn.dim)  # (B, S*Tq*nw, C)
 
 
+def count_calls(monkeypatch, owner, name: str) -> list:
+    """Wrap ``owner.name`` (for the test's length) so every call appends to the returned list."""
+    calls, real = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
 @dataclasses.dataclass
 class StepResult:
     outputs: List[torch.Tensor]

@@ -9,6 +9,7 @@ import torch
 import hiera_autopatch
 from equivalence import (
     assert_equivalent,
+    count_calls,
     fair_model,
     input_for,
     low_precision_check,
@@ -289,9 +290,7 @@ def kept_embed(monkeypatch):
     from hiera_autopatch.ops import patch_embed
 
     monkeypatch.setattr(patch_embed, "kept_only", True)
-    calls, real = [], patch_embed.embed_tokens
-    monkeypatch.setattr(patch_embed, "embed_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
+    return count_calls(monkeypatch, patch_embed, "embed_tokens")
 
 
 @pytest.mark.parametrize(
@@ -313,8 +312,7 @@ def test_kept_embed_off_runs_fairs_full_embedding(monkeypatch):
 
     monkeypatch.setenv("HIERA_OPTIM_KEPT_EMBED", "0")
     hiera_autopatch.enable()
-    calls, real = [], patch_embed.embed_tokens
-    monkeypatch.setattr(patch_embed, "embed_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = count_calls(monkeypatch, patch_embed, "embed_tokens")
     torch.manual_seed(0)
     model = fair_model("mae", "tiny")
     unpatched, patched = run_pair(model, input_for(model), mae_call())
@@ -370,9 +368,7 @@ def matmul_heads(monkeypatch):
     from hiera_autopatch.ops import fusion_head
 
     monkeypatch.setattr(fusion_head, "as_matmul", True)
-    calls, real = [], fusion_head.patchify_head
-    monkeypatch.setattr(fusion_head, "patchify_head", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
+    return count_calls(monkeypatch, fusion_head, "patchify_head")
 
 
 @pytest.mark.parametrize(
@@ -392,8 +388,7 @@ def test_conv_fusion_heads_when_switched_off(monkeypatch):
     from hiera_autopatch.ops import fusion_head
 
     monkeypatch.setattr(fusion_head, "as_matmul", False)
-    calls, real = [], fusion_head.patchify_head
-    monkeypatch.setattr(fusion_head, "patchify_head", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = count_calls(monkeypatch, fusion_head, "patchify_head")
     torch.manual_seed(0)
     model = fair_model("mae", "tiny")
     unpatched, patched = run_pair(model, input_for(model), mae_call())

@@ -401,60 +401,59 @@ def test_cpu_mae_through_the_kernel_matches_fair():
         torch._dynamo.reset()
 
 
+@pytest.fixture
+def kernel_bias_grads(monkeypatch):
+    """HIERA_OPTIM_ATTENTION=triton for the test; the list counts the attention calls whose qkv
+    bias gradient came from the kernels (``bias_part_buffer``)."""
+    pytest.importorskip("hiera")
+    import hiera_autopatch
+    from equivalence import count_calls
+
+    calls = count_calls(monkeypatch, wa, "bias_part_buffer")
+    hiera_autopatch.enable(attention="triton")
+    yield calls
+    hiera_autopatch.disable()
+    torch._dynamo.reset()
+
+
 @cpu_only
-def test_cpu_mae_through_the_kernel_under_inductor_matches_fair(monkeypatch):
+def test_cpu_mae_through_the_kernel_under_inductor_matches_fair(monkeypatch, kernel_bias_grads):
     """As above, compiled by Inductor itself (CPU code around the interpreted kernel), which
     partitions the joint graph its own way: the custom ops with the qkv bias's gradient (counted)
     give FAIR's outputs and gradients. ``fallback_random``: the mask from eager's RNG, as FAIR's."""
-    pytest.importorskip("hiera")
     import torch._inductor.config as inductor_config
 
     import hiera_autopatch
     from equivalence import assert_equivalent, fair_model, input_for, run_step
 
     monkeypatch.setattr(inductor_config, "fallback_random", True)
-    calls, real = [], wa.bias_part_buffer
-    monkeypatch.setattr(wa, "bias_part_buffer", lambda *a, **k: calls.append(1) or real(*a, **k))
-    hiera_autopatch.enable(attention="triton")
-    try:
-        torch.manual_seed(0)
-        model = fair_model("mae", "tiny", stages=(1, 1, 1, 1))
-        x = input_for(model)
-        with hiera_autopatch.disabled():
-            fair = run_step(model, x, lambda m, x: m(x))
-        torch._dynamo.reset()
-        compiled = run_step(model, x, torch.compile(lambda m, x: m(x), fullgraph=True))
-        assert_equivalent(fair, compiled, 1e-5, 1e-4)
-        assert len(calls) == 5  # one per attention layer: 4 encoder stages, 1 decoder block
-    finally:
-        hiera_autopatch.disable()
-        torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = fair_model("mae", "tiny", stages=(1, 1, 1, 1))
+    x = input_for(model)
+    with hiera_autopatch.disabled():
+        fair = run_step(model, x, lambda m, x: m(x))
+    torch._dynamo.reset()
+    compiled = run_step(model, x, torch.compile(lambda m, x: m(x), fullgraph=True))
+    assert_equivalent(fair, compiled, 1e-5, 1e-4)
+    assert len(kernel_bias_grads) == 5  # one per attention layer: 4 encoder stages, 1 decoder block
 
 
 @cpu_only
 @pytest.mark.parametrize("fused", [True, False], ids=["kernel-bias-grad", "autograd-bias-grad"])
 @pytest.mark.parametrize("kind", ["mae", "cls"])
-def test_cpu_qkv_bias_gradient_through_the_kernel_matches_fair(monkeypatch, fused, kind):
+def test_cpu_qkv_bias_gradient_through_the_kernel_matches_fair(monkeypatch, kernel_bias_grads, fused, kind):
     """attention.fused_bias_grad: the qkv Linears' bias gradients from the kernels' partial sums
     (on) or autograd's reduction (off); every output and gradient matches FAIR's either way."""
-    pytest.importorskip("hiera")
-    import hiera_autopatch
     from equivalence import assert_equivalent, fair_model, input_for, run_pair
     from hiera_autopatch.ops import attention
 
     monkeypatch.setattr(attention, "fused_bias_grad", fused)
-    calls, real = [], wa.bias_part_buffer
-    monkeypatch.setattr(wa, "bias_part_buffer", lambda *a, **k: calls.append(1) or real(*a, **k))
-    hiera_autopatch.enable(attention="triton")
-    try:
-        torch.manual_seed(0)
-        model = fair_model(kind, "tiny", stages=(1, 1, 1, 1))
-        unpatched, patched = run_pair(model, input_for(model), lambda m, x: m(x))
-        assert_equivalent(unpatched, patched, 1e-5, 1e-4)
-        attention_layers = sum(1 for m in model.modules() if type(m).__name__ == "MaskUnitAttention")
-        assert len(calls) == (attention_layers if fused else 0)
-    finally:
-        hiera_autopatch.disable()
+    torch.manual_seed(0)
+    model = fair_model(kind, "tiny", stages=(1, 1, 1, 1))
+    unpatched, patched = run_pair(model, input_for(model), lambda m, x: m(x))
+    assert_equivalent(unpatched, patched, 1e-5, 1e-4)
+    attention_layers = sum(1 for m in model.modules() if type(m).__name__ == "MaskUnitAttention")
+    assert len(kernel_bias_grads) == (attention_layers if fused else 0)
 
 
 @cpu_only
