@@ -32,7 +32,7 @@ aligned = True
 """Pad the matrix product's reduction dim (``C_in * prod(kernel)``: 147 for Hiera's 3-channel 7x7
 conv) with zero columns to a multiple of ``ALIGN_COLUMNS``. cuBLAS needs that alignment for its Hopper
 GEMMs: unpadded bf16 rows are 294 bytes apart. This product and its weight gradient are the MAE
-step's only matmuls with such a dimension (a CPU trace of the step's ``mm``/``addmm``), and the
+step's only such matmuls (benchmarks/results/cpu_flops_session15.json), and the
 graphed H200 step ran one GEMM and one weight-gradient GEMM on sm75 ``align1`` kernels, 0.08 +
 0.07 ms a step (benchmarks/results/h200_profile_final.json). The zeros add exact zeros, and the
 weight's padded gradient columns are dropped. False: unpadded (``scripts/profile_step.py``'s ``+unaligned_embed``)."""
