@@ -530,3 +530,24 @@ def test_warm_up_runs_longer_on_a_gpu_only(monkeypatch):
     step = _CountingStep(0.0)
     first, _, n = _bench_run.warm_up(step, _bench_run.Spec(model="m", warmup=0), gpu, progress, "")
     assert (first, n, step.seeds) == (None, 0, [])
+
+
+def test_kernel_groups_counts_each_kernel_in_its_first_matching_group(tmp_path):
+    groups = _load_script("kernel_groups")
+    kernels = [{"name": "triton_red_fused_sum_view_3", "ms": 1.0, "calls": 2.0},
+               {"name": "nvjet_sm90_tst_128x128_64x6_1x2_h_bz_splitK_NTT", "ms": 2.0, "calls": 1.0},
+               {"name": "void cublasLt::splitKreduce_kernel<32>", "ms": 0.5, "calls": 1.0},
+               {"name": "triton_poi_fused_gelu_view_7", "ms": 4.0, "calls": 1.0}]
+    wanted = [("sums", r"fused_sum_view_\d+$"), ("split-K", r"splitK"), ("nt", r"_NT[TN]$")]
+    totals = groups.group_kernels(kernels, wanted)
+    assert totals == {"sums": {"ms": 1.0, "calls": 2.0, "kernels": 1},
+                      "split-K": {"ms": 2.5, "calls": 2.0, "kernels": 2},  # first match wins
+                      "nt": {"ms": 0.0, "calls": 0.0, "kernels": 0}}
+    for bad in ("no-equals", "=regex", "name="):
+        with pytest.raises(Exception):
+            groups.parse_group(bad)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"modes": {"graphs": {"kernels": {"total_ms": 7.5, "top_kernels_ms": kernels}}}}))
+    assert groups.main([str(path), "--mode", "graphs", "--group", "sums=sum_view"]) == 0
+    with pytest.raises(SystemExit):
+        groups.main([str(path), "--mode", "eager", "--group", "sums=sum_view"])
