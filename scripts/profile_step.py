@@ -56,7 +56,7 @@ INDUCTOR_SWITCHES = {
     "combo": {"combo_kernels": True},  # independent small kernels (e.g. weight-grad sums) as one launch
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
-            "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", *INDUCTOR_SWITCHES)
+            "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -76,8 +76,10 @@ def parse_mode(mode: str) -> dict:
     explicitly, as the session-11/12 commands did),
     unaligned_embed (the kept-token patch embedding's matmul without its zero columns: 147-wide
     rows, ops/patch_embed.aligned), conv_heads (the MAE fusion heads as FAIR's convolutions, not
-    matmuls: ops/fusion_head.as_matmul), bias_sums (the qkv bias gradients from autograd's
-    reduction over dqkv, not from our attention kernels' partial sums: ops/attention.fused_bias_grad),
+    matmuls: ops/fusion_head.as_matmul), kernel_bias_grad (the qkv bias gradients from our
+    attention kernels' partial sums, ops/attention.fused_bias_grad; off by default since session
+    15's A/B), bias_sums (from autograd's reduction over dqkv: the default, named explicitly as
+    session 15's commands did),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
     """
@@ -340,7 +342,7 @@ def main(argv=None) -> int:
         loss_ops.decoder_rows = "full_decoder" not in spec["switches"]
         patch_embed_ops.aligned = "unaligned_embed" not in spec["switches"]
         fusion_head_ops.as_matmul = "conv_heads" not in spec["switches"]
-        attention_ops.fused_bias_grad = "bias_sums" not in spec["switches"]
+        attention_ops.fused_bias_grad = "kernel_bias_grad" in spec["switches"]
         torch._dynamo.reset()  # each mode compiles afresh: no cache entry of another mode's options
         step_graph.reset()  # and captures afresh
         window_attention.TUNED.clear()

@@ -81,6 +81,7 @@ SWITCH_LABELS = {
     "unaligned_embed": "kept-token patch embedding without its aligning zero columns",
     "conv_heads": "MAE fusion heads as FAIR's convolutions",
     "bias_sums": "qkv bias gradients from autograd's reduction",
+    "kernel_bias_grad": "qkv bias gradients from the attention kernels",
 }
 
 

@@ -403,12 +403,14 @@ def test_cpu_mae_through_the_kernel_matches_fair():
 
 @pytest.fixture
 def kernel_bias_grads(monkeypatch):
-    """HIERA_OPTIM_ATTENTION=triton for the test; the list counts the attention calls whose qkv
-    bias gradient came from the kernels (``bias_part_buffer``)."""
+    """HIERA_OPTIM_ATTENTION=triton and the qkv bias gradients from the kernels for the test; the
+    list counts the attention calls that took them (``bias_part_buffer``)."""
     pytest.importorskip("hiera")
     import hiera_autopatch
     from equivalence import count_calls
+    from hiera_autopatch.ops import attention
 
+    monkeypatch.setattr(attention, "fused_bias_grad", True)  # off by default (lost an A/B); tested on
     calls = count_calls(monkeypatch, wa, "bias_part_buffer")
     hiera_autopatch.enable(attention="triton")
     yield calls

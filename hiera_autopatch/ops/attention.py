@@ -75,12 +75,14 @@ def use_triton(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int) -
     )
 
 
-fused_bias_grad = True
+fused_bias_grad = False
 """Where our Triton kernel runs after a plain ``nn.Linear`` qkv with a bias: the bias's gradient
 from column sums the backward kernels take while they write dqkv (``qkv_attention``), instead of
-autograd's reduction, which reads dqkv again (two kernels a layer). On the H200 step's kernel map
-(``h200_profile_final.json``) such sums took 1.03 ms in 192 kernels, ~64% of their bytes dqkv's
-(from the shapes). False: autograd's reduction (``scripts/profile_step.py``'s ``+bias_sums``)."""
+autograd's reduction, which reads dqkv again (two kernels a layer). Off: it lost on an H100 in both
+interleaved pairs of one run, graphed step 34.56 / 34.56 ms with it against 33.78 / 34.33 without
+(benchmarks/results/h100_profile_session15_each.json); the backward kernels, at 255 registers
+already, spill more with the sums in most shapes (sm90_compile/window_attention_registers.json).
+True: on (``scripts/profile_step.py``'s ``+kernel_bias_grad``), for A/Bs."""
 
 
 def _plain_biased_linear(linear: torch.nn.Module) -> bool:

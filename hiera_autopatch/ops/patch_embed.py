@@ -35,7 +35,8 @@ GEMMs: unpadded bf16 rows are 294 bytes apart. This product and its weight gradi
 step's only such matmuls (benchmarks/results/cpu_flops_session15.json), and the
 graphed H200 step ran one GEMM and one weight-gradient GEMM on sm75 ``align1`` kernels, 0.08 +
 0.07 ms a step (benchmarks/results/h200_profile_final.json). The zeros add exact zeros, and the
-weight's padded gradient columns are dropped. False: unpadded (``scripts/profile_step.py``'s ``+unaligned_embed``)."""
+weight's padded gradient columns are dropped. Timed together with ``fusion_head.as_matmul``
+(see there). False: unpadded (``scripts/profile_step.py``'s ``+unaligned_embed``)."""
 
 ALIGN_COLUMNS = 8
 """16-byte rows in bf16/fp16, the dtypes the GEMM runs in on a GPU (autocast included; fp32 rows
