@@ -90,6 +90,11 @@ def _plain_biased_linear(linear: torch.nn.Module) -> bool:
             and torch.is_grad_enabled() and mlp.no_hooks(linear))
 
 
+def _kernel_may_take() -> bool:
+    """Our kernel may take this call (``use_triton`` then decides from the qkv it would get)."""
+    return backend == "triton" or (backend == "auto" and torch.compiler.is_compiling())
+
+
 def qkv_attention(x: torch.Tensor, qkv_linear: torch.nn.Module, num_windows: int, heads: int,
                   q_stride: int, pool: str = "max") -> torch.Tensor:
     """``mask_unit_attention(qkv_linear(x), ...)``, the same values.
@@ -98,9 +103,9 @@ def qkv_attention(x: torch.Tensor, qkv_linear: torch.nn.Module, num_windows: int
     ``F.linear`` with a detached bias (FAIR's values, bit for bit) and the bias goes to the kernel,
     whose backward gives its gradient (``fused_bias_grad``). Where the kernel then declines the
     call after all, the Linear runs again: only under torch.compile (which drops the unused
-    product) or with ``HIERA_OPTIM_ATTENTION=triton`` on a call it does not support."""
-    may_take = backend == "triton" or (backend == "auto" and torch.compiler.is_compiling())
-    if fused_bias_grad and may_take and x.dim() == 3 and _plain_biased_linear(qkv_linear):
+    product) or with ``HIERA_OPTIM_ATTENTION=triton`` on a call it does not support. Off by
+    default: with ``fused_bias_grad`` False this is ``mask_unit_attention(qkv_linear(x), ...)``."""
+    if fused_bias_grad and _kernel_may_take() and x.dim() == 3 and _plain_biased_linear(qkv_linear):
         qkv = F.linear(x, qkv_linear.weight, qkv_linear.bias.detach())  # (B, N, 3*H*D)
         if use_triton(qkv, num_windows, heads, q_stride):
             _record(qkv, num_windows, heads, q_stride, "triton")
