@@ -54,9 +54,12 @@ INDUCTOR_SWITCHES = {
     "no_mix": {"triton.mix_order_reduction": False},  # LayerNorm's row and column grads apart (shipped)
     "mix": {"triton.mix_order_reduction": True},  # Inductor's default: one kernel, ATen sums finish
     "combo": {"combo_kernels": True},  # independent small kernels (e.g. weight-grad sums) as one launch
+    "coop": {"triton.cooperative_reductions": True},  # a split reduction as one kernel (grid-wide sync)
+    "aggressive": {"aggressive_fusion": True},  # fuse nodes that share no memory access too
+    "nd_tiling": {"triton.prefer_nd_tiling": True},  # 2-D tiles for pointwise/reductions (LN weight grads)
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
-            "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", *INDUCTOR_SWITCHES)
+            "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -79,7 +82,8 @@ def parse_mode(mode: str) -> dict:
     matmuls: ops/fusion_head.as_matmul), kernel_bias_grad (the qkv bias gradients from our
     attention kernels' partial sums, ops/attention.fused_bias_grad; off by default since session
     15's A/B), bias_sums (from autograd's reduction over dqkv: the default, named explicitly as
-    session 15's commands did),
+    session 15's commands did), cublaslt (ATen's matmuls, Inductor's extern ones too, through
+    cuBLASLt: ``torch.backends.cuda.preferred_blas_library("cublaslt")``),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
     """
@@ -323,6 +327,7 @@ def main(argv=None) -> int:
     from hiera_autopatch.ops.triton import window_attention
 
     shipped_tuning = dict(window_attention.TUNED)
+    shipped_blas = torch.backends.cuda.preferred_blas_library()
     tuning = tuned_blocks(args.attention_tuning) if args.attention_tuning else {}
     model, x = build(args)
     results = {
@@ -343,6 +348,8 @@ def main(argv=None) -> int:
         patch_embed_ops.aligned = "unaligned_embed" not in spec["switches"]
         fusion_head_ops.as_matmul = "conv_heads" not in spec["switches"]
         attention_ops.fused_bias_grad = "kernel_bias_grad" in spec["switches"]
+        # +cublaslt: ATen's matmuls (Inductor's extern mm/addmm too) through cuBLASLt's own heuristics
+        torch.backends.cuda.preferred_blas_library("cublaslt" if "cublaslt" in spec["switches"] else shipped_blas)
         torch._dynamo.reset()  # each mode compiles afresh: no cache entry of another mode's options
         step_graph.reset()  # and captures afresh
         window_attention.TUNED.clear()
