@@ -82,6 +82,10 @@ SWITCH_LABELS = {
     "conv_heads": "MAE fusion heads as FAIR's convolutions",
     "bias_sums": "qkv bias gradients from autograd's reduction",
     "kernel_bias_grad": "qkv bias gradients from the attention kernels",
+    "cublaslt": "ATen matmuls through cuBLASLt",
+    "coop": "Inductor cooperative reductions",
+    "aggressive": "Inductor aggressive fusion",
+    "nd_tiling": "Inductor 2-D tiling",
 }
 
 

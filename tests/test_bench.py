@@ -551,3 +551,20 @@ def test_kernel_groups_counts_each_kernel_in_its_first_matching_group(tmp_path):
     assert groups.main([str(path), "--mode", "graphs", "--group", "sums=sum_view"]) == 0
     with pytest.raises(SystemExit):
         groups.main([str(path), "--mode", "eager", "--group", "sums=sum_view"])
+
+
+def test_bench_weight_grads_orders_give_the_same_gradient():
+    """scripts/bench_weight_grads.py times dW = dY^T X in other operand orders: each must be dW."""
+    import torch
+
+    bench = _load_script("bench_weight_grads")
+    shapes = list(bench.linears())
+    assert len(shapes) == 20 and ("stage3.fc1", 9728, 384, 1536, 15) in shapes
+    gen = torch.Generator().manual_seed(0)
+    dy, x = torch.randn(64, 24, generator=gen), torch.randn(64, 8, generator=gen)
+    want = dy.t() @ x  # (out, in)
+    for name, order in bench.VARIANTS.items():
+        got = order(dy, x)
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)  # fp32 sums of 64 in another order
+    assert not bench.VARIANTS["Xt_dY_T"](dy, x).is_contiguous()  # the transposed view, as timed
