@@ -39,8 +39,8 @@ VARIANTS = {
 }
 
 
-def graph_ms(fn, reps: int, rounds: int):
-    """ms per call of ``fn`` replayed from one CUDA graph of ``reps`` calls; one sample per round."""
+def graph_ms(fn, reps: int):
+    """(graph, sample): ``sample()`` is the ms per call of ``fn`` in one replay of ``reps`` calls."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         samplers, errors = {}, {}
         for variant, fn in VARIANTS.items():
             errors[variant] = float((fn(dy, x).float() - reference).abs().max())
-            graph, sample = graph_ms(lambda fn=fn: fn(dy, x), args.reps, args.rounds)
+            graph, sample = graph_ms(lambda fn=fn: fn(dy, x), args.reps)
             samplers[variant] = (graph, sample)
         times = {variant: [] for variant in VARIANTS}
         for _ in range(args.rounds):
