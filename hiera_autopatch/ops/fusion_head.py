@@ -12,8 +12,8 @@ without a permute back.
 On by default (``as_matmul``). Together with the aligned patch-embedding matmul
 (``patch_embed.aligned``), the graphed step on an H100 took 34.56 / 34.56 ms against 35.00 / 35.34
 without the two, interleaved in one run (benchmarks/results/h100_profile_session15_each.json).
-``scripts/profile_step.py``'s ``+conv_heads`` runs FAIR's convolutions, for A/Bs. A head that is not a plain patchify convolution (``usable``) runs FAIR's
-code.
+``scripts/profile_step.py``'s ``+conv_heads`` runs FAIR's convolutions, for A/Bs. A head that is
+not a plain patchify convolution (``usable``) runs FAIR's code.
 """
 
 from __future__ import annotations
