@@ -74,8 +74,7 @@ def check(wa, name: str, nw: int, T: int, H: int, D: int, S: int, dtype: str, co
     at the launchers' config (``config``: keys that override it, as the launchers' argument);
     ``registers``: also each kernel's registers and spill bytes (``ptxas_usage``)."""
     cfg = wa.full_config(config, T, S, D, nw, DTYPES[dtype])
-    block_d, block_e = wa.head_dim_tiles(D)
-    common = dict(H=H, D=D, T=T, S=S, G=cfg["G"], BLOCK_D=block_d, BLOCK_E=block_e,
+    common = dict(H=H, D=D, T=T, S=S, G=cfg["G"], BLOCK_D=max(16, wa._next_pow2(D)),
                   DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")  # fp32: as without allow_tf32
     fwd = dict(common, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
     bwd = dict(common, BLOCK_M=cfg["BLOCK_M_BWD"], BLOCK_N=cfg["BLOCK_N_BWD"], POOL_AMAX=False)

@@ -59,7 +59,7 @@ INDUCTOR_SWITCHES = {
     "nd_tiling": {"triton.prefer_nd_tiling": True},  # 2-D tiles for pointwise/reductions (LN weight grads)
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
-            "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", "pad_head_dim", *INDUCTOR_SWITCHES)
+            "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -83,9 +83,7 @@ def parse_mode(mode: str) -> dict:
     attention kernels' partial sums, ops/attention.fused_bias_grad; off by default since session
     15's A/B), bias_sums (from autograd's reduction over dqkv: the default, named explicitly as
     session 15's commands did), cublaslt (ATen's matmuls, Inductor's extern ones too, through
-    cuBLASLt: ``torch.backends.cuda.preferred_blas_library("cublaslt")``), pad_head_dim (our
-    attention kernels' head_dim 96 as one tile padded to 128, as before session 17, not 64 + 32:
-    ops/triton/window_attention.split_head_dim),
+    cuBLASLt: ``torch.backends.cuda.preferred_blas_library("cublaslt")``),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
     """
@@ -350,7 +348,6 @@ def main(argv=None) -> int:
         patch_embed_ops.aligned = "unaligned_embed" not in spec["switches"]
         fusion_head_ops.as_matmul = "conv_heads" not in spec["switches"]
         attention_ops.fused_bias_grad = "kernel_bias_grad" in spec["switches"]
-        window_attention.split_head_dim = "pad_head_dim" not in spec["switches"]
         # +cublaslt: ATen's matmuls (Inductor's extern mm/addmm too) through cuBLASLt's own heuristics
         torch.backends.cuda.preferred_blas_library("cublaslt" if "cublaslt" in spec["switches"] else shipped_blas)
         torch._dynamo.reset()  # each mode compiles afresh: no cache entry of another mode's options

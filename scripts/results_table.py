@@ -83,7 +83,6 @@ SWITCH_LABELS = {
     "bias_sums": "qkv bias gradients from autograd's reduction",
     "kernel_bias_grad": "qkv bias gradients from the attention kernels",
     "cublaslt": "ATen matmuls through cuBLASLt",
-    "pad_head_dim": "attention head_dim 96 as one tile padded to 128",
     "coop": "Inductor cooperative reductions",
     "aggressive": "Inductor aggressive fusion",
     "nd_tiling": "Inductor 2-D tiling",

@@ -8,9 +8,8 @@ launch overhead), and its output / dqkv checked against an fp32 reference on the
 two passes share nothing but the lse layout, so each can take its own blocks (``BLOCK_M_BWD``...).
 Stages come second: blocks and warps are searched at the default stages, then the best few
 configs are retried at every stage count (``--top 0``: not). ``--configs`` times a given list in
-place of the sweep; in it, ``"pad_head_dim": 1`` runs a config with the head dim as one tile padded
-to a power of two (``window_attention.split_head_dim`` off). ``--device cpu`` dry-runs the script
-in Triton's interpreter on a tiny batch.
+place of the sweep. ``--device cpu`` dry-runs the script in Triton's
+interpreter on a tiny batch.
 """
 
 from __future__ import annotations
@@ -110,16 +109,11 @@ def main(argv=None) -> int:
                 fn = lambda: wa.window_attention_backward(dout, qkv, out0, lse0, nw, H, S, "max", cfg,  # noqa: E731
                                                           dqkv=dqkv)
             record = {"phase": phase, "config": cfg}
-            # "pad_head_dim": 1, a key of this script only: head_dim as one padded tile (A/B of
-            # window_attention.split_head_dim)
-            wa.split_head_dim = not cfg.get("pad_head_dim")
             try:
                 record["ms"] = gpu_ms(fn)
                 record["rel_err"] = rel_err(out, ref) if phase == "fwd" else rel_err(dqkv, dref)
             except Exception as exc:  # a config that does not compile or fit: recorded, skipped
                 record["error"] = repr(exc)[:200]
-            finally:
-                wa.split_head_dim = True
             entry["trials"].append(record)
             return record
 

@@ -177,11 +177,9 @@ if HAS_TRITON:
         QKV, OUT, LSE,
         NW, n_groups, n_q_blocks, qk_scale,
         H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        # Head-dim columns [0, BLOCK_D) and, when BLOCK_E > 0, [BLOCK_D, BLOCK_D + BLOCK_E) as a
-        # second tile (head_dim 96 = 64 + 32 rather than one tile padded to 128): "_e" names.
         Tq: tl.constexpr = T // S
         ROW: tl.constexpr = 3 * H * D  # qkv row stride (elements)
         OUT_ROW: tl.constexpr = H * D  # out row stride
@@ -197,16 +195,10 @@ if HAS_TRITON:
         g_q, tq, w_q, q_ok = _group_positions(mb, w0, NW, G, Tq, BLOCK_M)  # (BLOCK_M,) each
         q_mask = q_ok[:, None] & d_ok[None, :]  # (BLOCK_M, BLOCK_D)
         q = _load_pooled_q(q_ptr, tq, w_q, q_mask, offs_d, NW, ROW, Tq, S)  # (BLOCK_M, BLOCK_D)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        if BLOCK_E > 0:
-            offs_e = BLOCK_D + tl.arange(0, BLOCK_E)  # (BLOCK_E,)
-            e_ok = offs_e < D
-            q_mask_e = q_ok[:, None] & e_ok[None, :]  # (BLOCK_M, BLOCK_E)
-            q_e = _load_pooled_q(q_ptr, tq, w_q, q_mask_e, offs_e, NW, ROW, Tq, S)  # (BLOCK_M, BLOCK_E)
-            acc_e = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
 
         m_i = tl.full([BLOCK_M], _MASKED, tl.float32)  # running row max (base-2 logits)
         l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
         # key blocks that hold the windows of this query block
         m_first = mb * BLOCK_M
@@ -219,13 +211,7 @@ if HAS_TRITON:
             k_rows = t_k * NW + w_k  # (BLOCK_N,) qkv rows
             k = tl.load(k_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
             v = tl.load(v_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BM, BN)
-            if BLOCK_E > 0:
-                k_mask_e = k_ok[:, None] & e_ok[None, :]  # (BLOCK_N, BLOCK_E)
-                k_e = tl.load(k_ptr + k_rows[:, None] * ROW + offs_e[None, :], mask=k_mask_e, other=0.0)
-                v_e = tl.load(v_ptr + k_rows[:, None] * ROW + offs_e[None, :], mask=k_mask_e, other=0.0)
-                s = tl.dot(q_e, tl.trans(k_e), acc=s, input_precision=DOT_PRECISION)
-            s = s * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN)
             same = (g_q[:, None] == g_k[None, :]) & k_ok[None, :]
             s = tl.where(same, s, _MASKED)
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -233,18 +219,14 @@ if HAS_TRITON:
             p = tl.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            if BLOCK_E > 0:
-                acc_e = acc_e * alpha[:, None] + tl.dot(p.to(v.dtype), v_e, input_precision=DOT_PRECISION)
             m_i = m_new
 
+        out = acc / l_i[:, None]
         # out (B, Tq*nw, H*D): row tq*nw + w, channel h*D + d
         o_rows = tq * NW + w_q
         o_ptr = OUT + b64 * (NW * Tq * OUT_ROW) + h * D
         tl.store(o_ptr + o_rows[:, None] * OUT_ROW + offs_d[None, :],
-                 (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=q_mask)
-        if BLOCK_E > 0:
-            tl.store(o_ptr + o_rows[:, None] * OUT_ROW + offs_e[None, :],
-                     (acc_e / l_i[:, None]).to(OUT.dtype.element_ty), mask=q_mask_e)
+                 out.to(OUT.dtype.element_ty), mask=q_mask)
         # lse (B, H, nw, Tq), base 2
         lse_off = ((b64 * H + h) * NW + w_q) * Tq + tq
         tl.store(LSE + lse_off, m_i + tl.log2(l_i), mask=q_ok)
@@ -254,7 +236,7 @@ if HAS_TRITON:
         QKV, DOUT, LSE, DELTA, DQKV, DBIAS,
         NW, n_groups, n_k_blocks, part_blocks, qk_scale, sm_scale,
         H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         POOL_AMAX: tl.constexpr, SINGLE_KV: tl.constexpr, BIAS_GRAD: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
@@ -262,7 +244,6 @@ if HAS_TRITON:
         # this one block): each query row's P is complete here, so also delta and dq.
         # BIAS_GRAD: the column sums of the dq, dk, dv it writes go to DBIAS (rows, 3*H*D) fp32,
         # row (b*n_groups + group)*part_blocks + block, for the qkv bias gradient.
-        # BLOCK_E > 0: head-dim columns [BLOCK_D, BLOCK_D + BLOCK_E) as second tiles ("_e" names).
         Tq: tl.constexpr = T // S
         ROW: tl.constexpr = 3 * H * D
         OUT_ROW: tl.constexpr = H * D
@@ -290,15 +271,6 @@ if HAS_TRITON:
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dq_sums = tl.zeros([BLOCK_D], tl.float32)  # SINGLE_KV: column sums of the dq written
-        if BLOCK_E > 0:
-            offs_e = BLOCK_D + tl.arange(0, BLOCK_E)
-            e_ok = offs_e < D
-            k_mask_e = k_ok[:, None] & e_ok[None, :]  # (BLOCK_N, BLOCK_E)
-            k_e = tl.load(k_ptr + k_rows[:, None] * ROW + offs_e[None, :], mask=k_mask_e, other=0.0)
-            v_e = tl.load(v_ptr + k_rows[:, None] * ROW + offs_e[None, :], mask=k_mask_e, other=0.0)
-            dk_e = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
-            dv_e = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
-            dq_sums_e = tl.zeros([BLOCK_E], tl.float32)
 
         # query blocks that hold the windows of this key block
         n_first = nb * BLOCK_N
@@ -314,58 +286,32 @@ if HAS_TRITON:
                          other=0.0)  # (BLOCK_M, BLOCK_D)
             lse = tl.load(lse_ptr + w_q * Tq + tq, mask=q_ok, other=0.0)  # (BLOCK_M,)
 
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BM, BN)
-            if BLOCK_E > 0:
-                q_mask_e = q_ok[:, None] & e_ok[None, :]  # (BLOCK_M, BLOCK_E)
-                q_e = _load_pooled_q(q_ptr, tq, w_q, q_mask_e, offs_e, NW, ROW, Tq, S)
-                do_e = tl.load(do_ptr + o_rows[:, None] * OUT_ROW + offs_e[None, :], mask=q_mask_e,
-                               other=0.0)  # (BLOCK_M, BLOCK_E)
-                s = tl.dot(q_e, tl.trans(k_e), acc=s, input_precision=DOT_PRECISION)
-            s = s * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BM, BN)
             same = (g_q[:, None] == g_k[None, :]) & q_ok[:, None] & k_ok[None, :]
             p = tl.where(same, tl.exp2(s - lse[:, None]), 0.0)  # softmax probabilities
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BM, BN)
-            if BLOCK_E > 0:
-                dv_e += tl.dot(tl.trans(p.to(do.dtype)), do_e, input_precision=DOT_PRECISION)
-                dp = tl.dot(do_e, tl.trans(v_e), acc=dp, input_precision=DOT_PRECISION)
             if SINGLE_KV:
                 delta = tl.sum(p * dp, 1)  # = rowsum(dout * out), with full rows of P here
             else:
                 delta = tl.load(delta_ptr + w_q * Tq + tq, mask=q_ok, other=0.0)
             ds = p * (dp - delta[:, None])  # d(loss)/d(q.k), without the scale
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
-            if BLOCK_E > 0:
-                dk_e += tl.dot(tl.trans(ds.to(q.dtype)), q_e, input_precision=DOT_PRECISION)
             if SINGLE_KV:
                 dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * sm_scale
                 dq_sums += _store_dq_through_pool(dq_ptr, q_ptr, dq, q, tq, w_q, q_mask, offs_d, NW,
                                                   ROW, Tq, S, POOL_AMAX)
-                if BLOCK_E > 0:
-                    dq_e = tl.dot(ds.to(k.dtype), k_e, input_precision=DOT_PRECISION) * sm_scale
-                    dq_sums_e += _store_dq_through_pool(dq_ptr, q_ptr, dq_e, q_e, tq, w_q, q_mask_e,
-                                                        offs_e, NW, ROW, Tq, S, POOL_AMAX)
 
         dk = (dk * sm_scale).to(DQKV.dtype.element_ty)
         dv = dv.to(DQKV.dtype.element_ty)
         tl.store(dk_ptr + k_rows[:, None] * ROW + offs_d[None, :], dk, mask=k_mask)
         tl.store(dv_ptr + k_rows[:, None] * ROW + offs_d[None, :], dv, mask=k_mask)
-        if BLOCK_E > 0:
-            dk_e = (dk_e * sm_scale).to(DQKV.dtype.element_ty)
-            dv_e = dv_e.to(DQKV.dtype.element_ty)
-            tl.store(dk_ptr + k_rows[:, None] * ROW + offs_e[None, :], dk_e, mask=k_mask_e)
-            tl.store(dv_ptr + k_rows[:, None] * ROW + offs_e[None, :], dv_e, mask=k_mask_e)
         if BIAS_GRAD:
-            part = DBIAS + ((b64 * n_groups + grp) * part_blocks + nb) * ROW + h * D
+            part = DBIAS + ((b64 * n_groups + grp) * part_blocks + nb) * ROW + h * D + offs_d
             if SINGLE_KV:
-                tl.store(part + offs_d, dq_sums, mask=d_ok)
-            tl.store(part + H * D + offs_d, _column_sums(dk, k_mask), mask=d_ok)
-            tl.store(part + 2 * H * D + offs_d, _column_sums(dv, k_mask), mask=d_ok)
-            if BLOCK_E > 0:
-                if SINGLE_KV:
-                    tl.store(part + offs_e, dq_sums_e, mask=e_ok)
-                tl.store(part + H * D + offs_e, _column_sums(dk_e, k_mask_e), mask=e_ok)
-                tl.store(part + 2 * H * D + offs_e, _column_sums(dv_e, k_mask_e), mask=e_ok)
+                tl.store(part, dq_sums, mask=d_ok)
+            tl.store(part + H * D, _column_sums(dk, k_mask), mask=d_ok)
+            tl.store(part + 2 * H * D, _column_sums(dv, k_mask), mask=d_ok)
 
     @triton.jit
     def _window_attention_bwd_delta_kernel(
@@ -395,12 +341,11 @@ if HAS_TRITON:
         QKV, DOUT, LSE, DELTA, DQKV, DBIAS,
         NW, n_groups, n_q_blocks, part_blocks, qk_scale, sm_scale,
         H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         POOL_AMAX: tl.constexpr, BIAS_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         # One query block: dq over the key blocks it sees (only when keys span several blocks).
         # BIAS_GRAD: the column sums of the dq it writes go to DBIAS, as in the dk/dv kernel.
-        # BLOCK_E > 0: head-dim columns [BLOCK_D, BLOCK_D + BLOCK_E) as second tiles ("_e" names).
         Tq: tl.constexpr = T // S
         ROW: tl.constexpr = 3 * H * D
         OUT_ROW: tl.constexpr = H * D
@@ -426,14 +371,6 @@ if HAS_TRITON:
         lse = tl.load(lse_ptr + w_q * Tq + tq, mask=q_ok, other=0.0)  # (BLOCK_M,)
         delta = tl.load(delta_ptr + w_q * Tq + tq, mask=q_ok, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        if BLOCK_E > 0:
-            offs_e = BLOCK_D + tl.arange(0, BLOCK_E)
-            e_ok = offs_e < D
-            q_mask_e = q_ok[:, None] & e_ok[None, :]  # (BLOCK_M, BLOCK_E)
-            q_e = _load_pooled_q(q_ptr, tq, w_q, q_mask_e, offs_e, NW, ROW, Tq, S)
-            do_e = tl.load(do_ptr + o_rows[:, None] * OUT_ROW + offs_e[None, :], mask=q_mask_e,
-                           other=0.0)
-            dq_e = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
 
         m_first = mb * BLOCK_M
         m_last = tl.minimum(m_first + BLOCK_M, G * Tq) - 1
@@ -445,32 +382,18 @@ if HAS_TRITON:
             k_rows = t_k * NW + w_k
             k = tl.load(k_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
             v = tl.load(v_ptr + k_rows[:, None] * ROW + offs_d[None, :], mask=k_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            if BLOCK_E > 0:
-                k_mask_e = k_ok[:, None] & e_ok[None, :]  # (BLOCK_N, BLOCK_E)
-                k_e = tl.load(k_ptr + k_rows[:, None] * ROW + offs_e[None, :], mask=k_mask_e, other=0.0)
-                v_e = tl.load(v_ptr + k_rows[:, None] * ROW + offs_e[None, :], mask=k_mask_e, other=0.0)
-                s = tl.dot(q_e, tl.trans(k_e), acc=s, input_precision=DOT_PRECISION)
-                dp = tl.dot(do_e, tl.trans(v_e), acc=dp, input_precision=DOT_PRECISION)
-            s = s * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             same = (g_q[:, None] == g_k[None, :]) & q_ok[:, None] & k_ok[None, :]
             p = tl.where(same, tl.exp2(s - lse[:, None]), 0.0)  # (BLOCK_M, BLOCK_N)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-            if BLOCK_E > 0:
-                dq_e += tl.dot(ds.to(k.dtype), k_e, input_precision=DOT_PRECISION)
 
         dq_sums = _store_dq_through_pool(dq_ptr, q_ptr, dq * sm_scale, q, tq, w_q, q_mask, offs_d, NW,
                                          ROW, Tq, S, POOL_AMAX)
-        if BLOCK_E > 0:
-            dq_sums_e = _store_dq_through_pool(dq_ptr, q_ptr, dq_e * sm_scale, q_e, tq, w_q, q_mask_e,
-                                               offs_e, NW, ROW, Tq, S, POOL_AMAX)
         if BIAS_GRAD:
-            part = DBIAS + ((b64 * n_groups + grp) * part_blocks + mb) * ROW + h * D
-            tl.store(part + offs_d, dq_sums, mask=d_ok)
-            if BLOCK_E > 0:
-                tl.store(part + offs_e, dq_sums_e, mask=e_ok)
+            part = DBIAS + ((b64 * n_groups + grp) * part_blocks + mb) * ROW + h * D + offs_d
+            tl.store(part, dq_sums, mask=d_ok)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -482,23 +405,6 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
-
-
-split_head_dim = True
-"""A head_dim that is not a power of two runs as two column tiles (96 = 64 + 32) rather than one
-tile padded to the next power of two (128): a quarter fewer MMA columns and registers at 96.
-False: the padded tile, for A/Bs (``scripts/profile_step.py``'s ``+pad_head_dim``)."""
-
-
-def head_dim_tiles(D: int) -> Tuple[int, int]:
-    """(BLOCK_D, BLOCK_E): the kernels' head-dim tiles, columns [0, BLOCK_D) and [BLOCK_D,
-    BLOCK_D + BLOCK_E), masked past D; BLOCK_E 0: one tile. Each is a power of two >= 16 (tl.dot)."""
-    padded = max(16, _next_pow2(D))
-    low = 1 << (int(D).bit_length() - 1)  # the largest power of two <= D
-    high = max(16, _next_pow2(D - low)) if D > low else 0
-    if split_head_dim and low >= 16 and high and low + high < padded:
-        return low, high
-    return padded, 0
 
 
 def supports(qkv: torch.Tensor, num_windows: int, heads: int, q_stride: int) -> bool:
@@ -642,8 +548,7 @@ def window_attention_forward(
     qkv = qkv.contiguous()
     B, N, D, T, Tq = _dims(qkv, num_windows, heads, q_stride)
     cfg = full_config(config, T, q_stride, D, num_windows, qkv.dtype.itemsize)
-    G, BM, BN = cfg["G"], cfg["BLOCK_M"], cfg["BLOCK_N"]
-    BD, BE = head_dim_tiles(D)
+    G, BM, BN, BD = cfg["G"], cfg["BLOCK_M"], cfg["BLOCK_N"], max(16, _next_pow2(D))
     if out is None:
         out = torch.empty(B, Tq * num_windows, heads * D, device=qkv.device, dtype=qkv.dtype)
     lse = torch.empty(B, heads, num_windows, Tq, device=qkv.device, dtype=torch.float32)
@@ -655,7 +560,7 @@ def window_attention_forward(
         _window_attention_fwd_kernel[grid](
             qkv, out, lse,
             num_windows, n_groups, n_q_blocks, sm_scale * _LOG2E,
-            H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, BLOCK_E=BE,
+            H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
             DOT_PRECISION=_dot_precision(qkv.dtype), num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )
@@ -709,14 +614,13 @@ def window_attention_backward(
     dout = dout.contiguous()
     B, N, D, T, Tq = _dims(qkv, num_windows, heads, q_stride)
     cfg = full_config(config, T, q_stride, D, num_windows, qkv.dtype.itemsize)
-    G, BM, BN = cfg["G"], cfg["BLOCK_M_BWD"], cfg["BLOCK_N_BWD"]
-    BD, BE = head_dim_tiles(D)
+    G, BM, BN, BD = cfg["G"], cfg["BLOCK_M_BWD"], cfg["BLOCK_N_BWD"], max(16, _next_pow2(D))
     if dqkv is None:
         dqkv = torch.empty_like(qkv)
     n_groups, n_k_blocks, n_q_blocks, part_blocks = _backward_blocks(cfg, num_windows, T, Tq)
     single_kv = backward_is_single_pass(cfg, T)
     sm_scale = D ** -0.5
-    common = dict(H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, BLOCK_E=BE,
+    common = dict(H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
                   POOL_AMAX=pool == "amax", BIAS_GRAD=bias_part is not None,
                   DOT_PRECISION=_dot_precision(qkv.dtype),
                   num_warps=cfg["num_warps_bwd"], num_stages=cfg["num_stages_bwd"])
@@ -731,7 +635,7 @@ def window_attention_backward(
             block_r = 64
             _window_attention_bwd_delta_kernel[(triton.cdiv(n_rows, block_r), heads)](
                 dout, out, delta, num_windows, n_rows,
-                H=heads, D=D, Tq=Tq, BLOCK_R=block_r, BLOCK_D=max(16, _next_pow2(D)), num_warps=4,
+                H=heads, D=D, Tq=Tq, BLOCK_R=block_r, BLOCK_D=BD, num_warps=4,
             )
         _window_attention_bwd_dkdv_kernel[(B * n_groups * heads * n_k_blocks,)](
             qkv, dout, lse, delta, dqkv, part,
