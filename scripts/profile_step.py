@@ -59,7 +59,7 @@ INDUCTOR_SWITCHES = {
     "nd_tiling": {"triton.prefer_nd_tiling": True},  # 2-D tiles for pointwise/reductions (LN weight grads)
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
-            "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", *INDUCTOR_SWITCHES)
+            "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", "fused_ln", "inductor_ln", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -83,7 +83,9 @@ def parse_mode(mode: str) -> dict:
     attention kernels' partial sums, ops/attention.fused_bias_grad; off by default since session
     15's A/B), bias_sums (from autograd's reduction over dqkv: the default, named explicitly as
     session 15's commands did), cublaslt (ATen's matmuls, Inductor's extern ones too, through
-    cuBLASLt: ``torch.backends.cuda.preferred_blas_library("cublaslt")``),
+    cuBLASLt: ``torch.backends.cuda.preferred_blas_library("cublaslt")``), fused_ln / inductor_ln (the
+    blocks' LayerNorm backward in one pass with the residual's gradient, ops/layer_norm.fused_backward,
+    on / off; neither: the shipped default),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
     """
@@ -310,6 +312,8 @@ def main(argv=None) -> int:
                         help="regex: for each profiled mode, the host ops that launch matching kernels "
                              "(use on a mode without CUDA graphs, e.g. compile)")
     parser.add_argument("--attention-tuning", help="tune_attention.py JSON for the +tuned_attention switch")
+    parser.add_argument("--ln-variant", help="+fused_ln's programs per SM x tile elements, e.g. 4x8192 "
+                        "(scripts/bench_layer_norm.py's variants); default: ops/triton/layer_norm.py's")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
@@ -322,18 +326,27 @@ def main(argv=None) -> int:
     from hiera_autopatch.ops import attention as attention_ops
     from hiera_autopatch.ops import fusion_head as fusion_head_ops
     from hiera_autopatch.ops import loss as loss_ops
+    from hiera_autopatch.ops import layer_norm as layer_norm_ops
     from hiera_autopatch.ops import patch_embed as patch_embed_ops
     from hiera_autopatch.ops import step_graph
+    from hiera_autopatch.ops.triton import layer_norm as triton_layer_norm
     from hiera_autopatch.ops.triton import window_attention
 
     shipped_tuning = dict(window_attention.TUNED)
+    if args.ln_variant:
+        from bench_layer_norm import parse_variant
+
+        (triton_layer_norm.PROGRAMS_PER_SM, triton_layer_norm.TILE_ELEMENTS,
+         triton_layer_norm.ACC_2D) = parse_variant(args.ln_variant)
     shipped_blas = torch.backends.cuda.preferred_blas_library()
+    shipped_fused_ln = layer_norm_ops.fused_backward
     tuning = tuned_blocks(args.attention_tuning) if args.attention_tuning else {}
     model, x = build(args)
     results = {
         "command": " ".join(sys.argv),
         "model": args.model, "batch": args.batch, "dtype": "bf16 params", "step": "forward+backward",
         "steps": args.steps,
+        "ln_variant": args.ln_variant or "shipped",
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
         "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
         "modes": {},
@@ -348,6 +361,8 @@ def main(argv=None) -> int:
         patch_embed_ops.aligned = "unaligned_embed" not in spec["switches"]
         fusion_head_ops.as_matmul = "conv_heads" not in spec["switches"]
         attention_ops.fused_bias_grad = "kernel_bias_grad" in spec["switches"]
+        layer_norm_ops.fused_backward = ("fused_ln" in spec["switches"]
+                                         or (shipped_fused_ln and "inductor_ln" not in spec["switches"]))
         # +cublaslt: ATen's matmuls (Inductor's extern mm/addmm too) through cuBLASLt's own heuristics
         torch.backends.cuda.preferred_blas_library("cublaslt" if "cublaslt" in spec["switches"] else shipped_blas)
         torch._dynamo.reset()  # each mode compiles afresh: no cache entry of another mode's options

@@ -83,6 +83,8 @@ SWITCH_LABELS = {
     "bias_sums": "qkv bias gradients from autograd's reduction",
     "kernel_bias_grad": "qkv bias gradients from the attention kernels",
     "cublaslt": "ATen matmuls through cuBLASLt",
+    "fused_ln": "block LayerNorm backward in one pass with the residual gradient",
+    "inductor_ln": "block LayerNorm backward in Inductor's kernels",
     "coop": "Inductor cooperative reductions",
     "aggressive": "Inductor aggressive fusion",
     "nd_tiling": "Inductor 2-D tiling",

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..ops import attention, fusion_head, loss, masking, mlp, patch_embed, step_graph
+from ..ops import attention, fusion_head, layer_norm, loss, masking, mlp, patch_embed, step_graph
 from . import _base
 from ._base import Patch
 
@@ -67,7 +67,7 @@ def make_block_forward(original: Callable, cls: type) -> Callable:
 
     def attention_residual(self, x: torch.Tensor) -> torch.Tensor:
         """The block's first half: ``x + attn(norm1(x))``, pooled where the width changes."""
-        x_norm = self.norm1(x)
+        x, x_norm = layer_norm.fork(self.norm1, x)  # (x, norm1(x))
         if self.dim != self.dim_out:
             x = do_pool(self.proj(x_norm), stride=self.attn.q_stride)
         return x + self.drop_path(self.attn(x_norm))
@@ -75,7 +75,7 @@ def make_block_forward(original: Callable, cls: type) -> Callable:
     def mlp_residual(self, x: torch.Tensor) -> torch.Tensor:
         """The block's second half, ``x + mlp(norm2(x))``; under torch.compile the MLP recomputes
         GELU in backward instead of saving it."""
-        x_norm = self.norm2(x)
+        x, x_norm = layer_norm.fork(self.norm2, x)  # (x, norm2(x))
         if mlp.wanted() and type(self.mlp) is timm_mlp and mlp.plain(self.mlp):
             return x + self.drop_path(mlp.gelu_mlp(self.mlp, x_norm))
         return x + self.drop_path(self.mlp(x_norm))

@@ -1,0 +1,199 @@
+"""LayerNorm backward in one pass over the rows, with the residual's gradient added in.
+
+In a Hiera block each LayerNorm's input ``x`` also feeds the residual add, so autograd needs
+
+    dx = d_res + rstd * (w*dy - mean(w*dy) - xhat * mean(w*dy * xhat))     (per row, xhat = (x-mean)*rstd)
+    dw = sum over rows of dy * xhat,  db = sum over rows of dy
+
+Inductor computes ``dx`` in one kernel and ``dw``/``db`` in another that reads ``dy`` and ``x``
+again, then finishes its split sums in two more. Here one kernel reads ``dy``, ``x`` and ``d_res``
+once, writes ``dx``, and keeps ``dw``/``db`` as per-program fp32 column sums over its rows; a small
+second kernel adds those partial rows up (in a fixed order: the result does not depend on timing).
+
+Chain: kernels -> ``layer_norm_backward`` (launcher) -> custom op ``hiera_autopatch::layer_norm_backward``
+(opaque to torch.compile, captured by CUDA graphs) -> ``ops/layer_norm.py`` (the autograd Function).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Optional, Tuple
+
+import torch
+
+try:  # the module must import (and ``supports`` answer False) without triton
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+MAX_WIDTH = 4096  # one row in registers: BLOCK_C = next_pow2(C) <= 4096
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _layer_norm_bwd_kernel(
+        DY, X, MEAN, RSTD, W, DRES, DX, PART,
+        n_rows, rows_per_program,
+        C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_RES: tl.constexpr,
+        ACC_2D: tl.constexpr,
+    ):
+        # Rows [pid * rows_per_program, ...) of dy, x, d_res, dx: (n_rows, C), contiguous.
+        # PART (programs, 2*C) fp32: this program's sums of dy*xhat (columns 0..C) and dy (C..2C).
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_C)  # (BLOCK_C,)
+        c_ok = cols < C
+        w = tl.load(W + cols, mask=c_ok, other=0.0).to(tl.float32)
+        # ACC_2D: per-(row slot, column) sums, reduced over the slots once at the end (more
+        # registers); else column sums, reduced over each step's rows
+        if ACC_2D:
+            dw_acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+            db_acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+        else:
+            dw_acc = tl.zeros([BLOCK_C], tl.float32)
+            db_acc = tl.zeros([BLOCK_C], tl.float32)
+        first = pid * rows_per_program
+        end = tl.minimum(first + rows_per_program, n_rows)
+        for r0 in range(first, end, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
+            r_ok = rows < end
+            mask = r_ok[:, None] & c_ok[None, :]  # (BLOCK_R, BLOCK_C)
+            offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(MEAN + rows, mask=r_ok, other=0.0).to(tl.float32)  # (BLOCK_R,)
+            rstd = tl.load(RSTD + rows, mask=r_ok, other=0.0).to(tl.float32)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            wdy = w[None, :] * dy
+            c1 = tl.sum(xhat * wdy, 1) / C  # (BLOCK_R,)
+            c2 = tl.sum(wdy, 1) / C
+            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            if HAS_RES:
+                dx += tl.load(DRES + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            if ACC_2D:
+                dw_acc += dy * xhat
+                db_acc += dy
+            else:
+                dw_acc += tl.sum(dy * xhat, 0)
+                db_acc += tl.sum(dy, 0)
+        part = PART + pid.to(tl.int64) * (2 * C) + cols
+        if ACC_2D:
+            tl.store(part, tl.sum(dw_acc, 0), mask=c_ok)
+            tl.store(part + C, tl.sum(db_acc, 0), mask=c_ok)
+        else:
+            tl.store(part, dw_acc, mask=c_ok)
+            tl.store(part + C, db_acc, mask=c_ok)
+
+    @triton.jit
+    def _sum_parts_kernel(PART, DW, DB, n_parts, C: tl.constexpr, BLOCK_P: tl.constexpr,
+                          BLOCK_W: tl.constexpr):
+        # PART (n_parts, 2*C) fp32 -> its column sums: the first C to DW, the rest to DB.
+        cols = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)  # (BLOCK_W,) of 2*C
+        c_ok = cols < 2 * C
+        total = tl.zeros([BLOCK_W], tl.float32)
+        for p0 in range(0, n_parts, BLOCK_P):
+            parts = p0 + tl.arange(0, BLOCK_P)  # (BLOCK_P,)
+            mask = (parts < n_parts)[:, None] & c_ok[None, :]
+            total += tl.sum(tl.load(PART + parts[:, None] * (2 * C) + cols[None, :], mask=mask,
+                                    other=0.0), 0)
+        tl.store(DW + cols, total.to(DW.dtype.element_ty), mask=cols < C)
+        tl.store(DB + (cols - C), total.to(DB.dtype.element_ty), mask=c_ok & (cols >= C))
+
+
+def supports(x: torch.Tensor, weight: Optional[torch.Tensor]) -> bool:
+    """Our backward can take this LayerNorm: a last-dim norm with a weight and a bias, on CUDA (or
+    under the Triton interpreter), width <= 4096."""
+    return (
+        HAS_TRITON
+        and (x.is_cuda or _interpreting())
+        and x.dtype in _SUPPORTED_DTYPES
+        and weight is not None
+        and weight.dim() == 1
+        and 0 < x.shape[-1] == weight.shape[0] <= MAX_WIDTH
+        and x.numel() > 0
+    )
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+TILE_ELEMENTS = 4096  # rows a step x BLOCK_C
+PROGRAMS_PER_SM = 2  # programs per SM, each over its share of the rows
+ACC_2D = True  # weight-gradient sums kept per row slot until the end (see the kernel)
+
+
+def _programs(device: torch.device, row_steps: int) -> int:
+    if device.type != "cuda":
+        return min(row_steps, 4)  # the interpreter: a few programs, each over several steps
+    return min(row_steps, PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _on_device(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                        weight: torch.Tensor, d_res: Optional[torch.Tensor] = None,
+                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dx, dw, db) of ``layer_norm(x, (C,), weight, bias)`` given the output's gradient ``dy``,
+    the forward's per-row ``mean`` and ``rstd`` (``aten.native_layer_norm``'s), and, when ``x`` also
+    fed a residual add, that add's gradient ``d_res`` (added into dx). dx in x's dtype and shape,
+    dw and db in weight's dtype."""
+    C = x.shape[-1]
+    dy2 = dy.reshape(-1, C).contiguous()  # (N, C)
+    x2 = x.reshape(-1, C).contiguous()
+    res2 = d_res.reshape(-1, C).contiguous() if d_res is not None else dy2  # (not read without HAS_RES)
+    n_rows = x2.shape[0]
+    block_c = _next_pow2(C)
+    block_r = max(1, min(TILE_ELEMENTS // block_c, _next_pow2(n_rows)))  # rows a step
+    row_steps = triton.cdiv(n_rows, block_r)
+    programs = _programs(x.device, row_steps)
+    rows_per_program = triton.cdiv(row_steps, programs) * block_r
+    programs = triton.cdiv(n_rows, rows_per_program)
+    dx = torch.empty_like(x2)
+    part = torch.empty(programs, 2 * C, device=x.device, dtype=torch.float32)  # every row written
+    dw = torch.empty(C, device=x.device, dtype=weight.dtype)
+    db = torch.empty(C, device=x.device, dtype=weight.dtype)
+    block_w = 32  # columns a finishing program: 2*C/32 programs over the partial rows
+    with _on_device(x):
+        _layer_norm_bwd_kernel[(programs,)](
+            dy2, x2, mean.reshape(-1), rstd.reshape(-1), weight, res2, dx, part,
+            n_rows, rows_per_program,
+            C=C, BLOCK_R=block_r, BLOCK_C=block_c, HAS_RES=d_res is not None, ACC_2D=ACC_2D,
+            num_warps=4 if block_c * block_r <= 4096 else 8,
+        )
+        _sum_parts_kernel[(triton.cdiv(2 * C, block_w),)](
+            part, dw, db, programs, C=C, BLOCK_P=128, BLOCK_W=block_w, num_warps=4,
+        )
+    return dx.view(x.shape), dw, db
+
+
+@torch.library.custom_op("hiera_autopatch::layer_norm_backward", mutates_args=())
+def _backward_op(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                 weight: torch.Tensor, d_res: Optional[torch.Tensor]
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer_norm_backward(dy, x, mean, rstd, weight, d_res)
+
+
+@_backward_op.register_fake
+def _backward_shapes(dy, x, mean, rstd, weight, d_res):
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return dx, weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+def layer_norm_backward_op(dy, x, mean, rstd, weight, d_res=None):
+    """``layer_norm_backward`` as the custom op (what the autograd Function calls)."""
+    return _backward_op(dy, x, mean, rstd, weight, d_res)

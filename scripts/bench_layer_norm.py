@@ -1,0 +1,117 @@
+"""LayerNorm backward with the residual's gradient, per Hiera-B MAE shape: our one-pass kernel
+(``ops/triton/layer_norm.py``) against what Inductor compiles for the same math in the graphed step
+(``native_layer_norm_backward`` + the residual add, with the step's Inductor options).
+
+    python scripts/bench_layer_norm.py --json out.json [--batch 128] [--variants 2x4096,4x8192]
+
+Each timing is a CUDA-graph replay of the one call (scripts/_timing.py), bf16, and every variant's
+dx, dw, db are checked against Inductor's before it is timed. Prints JSON: per shape the ms of each
+variant, and the bytes each must move at least (dy, x, d_res read, dx written) over its time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import graph_replay_ms, results_header, save_json  # noqa: E402
+
+# name -> (tokens per sample: 19 kept mask units at ratio 0.6, width, block LayerNorms a step)
+SHAPES = {
+    "stage1": (19 * 64, 96, 4),
+    "stage2": (19 * 16, 192, 6),
+    "stage3": (19 * 4, 384, 32),
+    "stage4": (19, 768, 6),
+    "decoder": (196, 512, 16),
+}
+
+
+def parse_variant(variant: str):
+    """"2x4096x2" -> (programs per SM, tile elements, 2-D accumulators?); the last part: 2 (sums
+    per row slot, the default) or 1 (column sums each step)."""
+    per_sm, tile, *acc = (int(v) for v in variant.split("x"))
+    return per_sm, tile, (acc or [2])[0] == 2
+
+
+def variant_name(per_sm: int, tile: int, acc_2d: bool) -> str:
+    return f"{per_sm}x{tile}x{2 if acc_2d else 1}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--variants", default="1x4096x2,2x4096x2,2x4096x1,4x4096x1,4x2048x1,8x2048x1,8x1024x1",
+                        help="programs per SM x tile elements (rows a step x padded width) x 2 (sums per "
+                        "row slot) or 1 (column sums each step), comma list")
+    args = parser.parse_args(argv)
+
+    from hiera_autopatch.ops import step_graph
+    from hiera_autopatch.ops.triton import layer_norm as tln
+
+    shipped = tln.PROGRAMS_PER_SM, tln.TILE_ELEMENTS, tln.ACC_2D
+
+    torch.manual_seed(0)
+    results = results_header(args.batch, "cuda")
+    results["inductor_options"] = step_graph.default_options()
+
+    def inductor_backward(dy, x, mean, rstd, w, b, d_res):
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(dy, x, (x.shape[-1],), mean, rstd, w, b,
+                                                                [True, True, True])
+        return dx + d_res, dw, db
+
+    for name in args.shapes.split(","):
+        tokens, width, per_step = SHAPES[name]
+        rows = args.batch * tokens
+        x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) * 2 + 0.5
+        w = (1 + 0.3 * torch.randn(width, device="cuda")).to(torch.bfloat16)
+        b = (0.1 * torch.randn(width, device="cuda")).to(torch.bfloat16)
+        dy = torch.randn_like(x)
+        d_res = torch.randn_like(x)
+        _, mean, rstd = torch.ops.aten.native_layer_norm(x, (width,), w, b, 1e-6)
+        torch._dynamo.reset()
+        compiled = torch.compile(inductor_backward, options=step_graph.default_options(), fullgraph=True)
+        expected = compiled(dy, x, mean, rstd, w, b, d_res)
+        entry = {"rows": rows, "width": width, "per_step": per_step,
+                 "min_bytes": 4 * rows * width * x.element_size()}
+        entry["inductor_ms"] = graph_replay_ms(lambda: compiled(dy, x, mean, rstd, w, b, d_res))
+        for variant in args.variants.split(","):
+            tln.PROGRAMS_PER_SM, tln.TILE_ELEMENTS, tln.ACC_2D = parse_variant(variant)
+            got = tln.layer_norm_backward(dy, x, mean, rstd, w, d_res)
+            errors = [float((g.float() - e.float()).norm() / e.float().norm()) for g, e in zip(got, expected)]
+            entry[f"ours_{variant}_rel_err"] = errors
+            if max(errors) > 2e-2:
+                entry[f"ours_{variant}_ms"] = None  # wrong: not timed
+                continue
+            entry[f"ours_{variant}_ms"] = graph_replay_ms(lambda: tln.layer_norm_backward(dy, x, mean, rstd, w, d_res))
+        best = min((v, k) for k, v in entry.items() if k.startswith("ours_") and k.endswith("_ms") and v)
+        entry["best"] = best[1]
+        entry["saved_ms_per_step"] = (entry["inductor_ms"] - best[0]) * per_step
+        entry["best_tb_per_s"] = entry["min_bytes"] / best[0] / 1e9
+        entry["inductor_tb_per_s"] = entry["min_bytes"] / entry["inductor_ms"] / 1e9
+        tln.PROGRAMS_PER_SM, tln.TILE_ELEMENTS, tln.ACC_2D = shipped
+        entry["shipped"] = variant_name(*shipped)
+        results["shapes"][name] = entry
+        print(name, json.dumps(entry), flush=True)
+        save_json(args.json, results)
+    # a step's LayerNorm backward time per variant (shapes x their calls), and the best
+    totals = {"inductor": sum(e["inductor_ms"] * e["per_step"] for e in results["shapes"].values())}
+    for variant in args.variants.split(","):
+        times = [e[f"ours_{variant}_ms"] for e in results["shapes"].values()]
+        if all(times):
+            totals[variant] = sum(t * e["per_step"] for t, e in zip(times, results["shapes"].values()))
+    results["ms_per_step"] = totals
+    results["best_variant"] = min((v for v in totals if v != "inductor"), key=totals.get, default=None)
+    print(json.dumps({"ms_per_step": totals, "best_variant": results["best_variant"]}))
+    save_json(args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

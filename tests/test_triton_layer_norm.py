@@ -1,0 +1,213 @@
+"""One-pass LayerNorm backward (``ops/triton/layer_norm.py``) and ``ops/layer_norm.fork``.
+
+CPU: the kernels in Triton's interpreter (set before the kernel module is imported when no GPU is
+present). GPU: Hiera-B widths and row counts, bf16 and fp32, skipped without CUDA.
+
+Each check gives ATen's ``native_layer_norm_backward`` (plus the residual gradient, added in fp64)
+and the kernel the same saved tensors and the same upstream gradients, and compares dx, dw and db
+with per-dtype tolerances: normwise relative error against an fp64 reference, then elementwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+_HAS_CUDA = torch.cuda.is_available()
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+tln = importlib.import_module("hiera_autopatch.ops.triton.layer_norm")
+
+_INTERPRETED = tln.HAS_TRITON and type(tln._layer_norm_bwd_kernel).__name__ == "InterpretedFunction"
+cpu_only = pytest.mark.skipif(not _INTERPRETED, reason="CPU tests need the Triton interpreter")
+gpu_only = pytest.mark.skipif(not (_HAS_CUDA and tln.HAS_TRITON and not _INTERPRETED),
+                              reason="needs CUDA and compiled (not interpreted) Triton")
+
+# dtype -> (max normwise relative error, atol, rtol); bf16/fp16 outputs round once (ours) or twice
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5, 1e-4),
+    torch.float16: (2e-3, 5e-3, 1e-2),
+    torch.bfloat16: (1e-2, 3e-2, 5e-2),
+}
+
+
+def assert_close(name, actual, expected, dtype, aten=None):
+    """Normwise relative error under the dtype's bound, then elementwise allclose. ``aten``: ATen's
+    own result in this dtype; sums over many rows (dw, db) then may be off by up to 4x ATen's own
+    error (normwise, and elementwise in absolute terms) beside the dtype's bound."""
+    max_rel, atol, rtol = TOLERANCES[dtype]
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    if aten is not None:
+        aten = aten.double().cpu()
+        max_rel = max(max_rel, 4 * float((aten - expected).norm() / expected.norm().clamp_min(1e-30)))
+        atol = max(atol, 4 * float((aten - expected).abs().max()))
+    rel = float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+    assert rel <= max_rel, f"{name}: normwise relative error {rel:.3g} > {max_rel:g}"
+    bad = ~torch.isclose(actual, expected, atol=atol, rtol=rtol)
+    assert not bad.any(), f"{name}: {int(bad.sum())} of {bad.numel()} elements differ, first at " \
+                          f"{bad.nonzero()[:3].tolist()}"
+
+
+def saved_forward(rows, width, dtype, device, seed=0):
+    """x, weight, bias and what native_layer_norm saves (mean, rstd), and upstream gradients."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, width, generator=g) * 2 + 0.5).to(device, dtype)
+    weight = (1 + 0.3 * torch.randn(width, generator=g)).to(device, dtype)
+    bias = (0.1 * torch.randn(width, generator=g)).to(device, dtype)
+    dy = torch.randn(rows, width, generator=g).to(device, dtype)
+    d_res = torch.randn(rows, width, generator=g).to(device, dtype)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, (width,), weight, bias, 1e-6)
+    return x, weight, bias, dy, d_res, mean, rstd
+
+
+def reference(x, weight, bias, dy, d_res, mean, rstd):
+    """fp64 ATen backward of the same forward (mean/rstd recomputed in fp64), residual added."""
+    x64, w64, b64, dy64 = (t.double() for t in (x, weight, bias, dy))
+    _, mean64, rstd64 = torch.ops.aten.native_layer_norm(x64, (x.shape[-1],), w64, b64, 1e-6)
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        dy64, x64, (x.shape[-1],), mean64, rstd64, w64, b64, [True, True, True])
+    if d_res is not None:
+        dx = dx + d_res.double()
+    return dx, dw, db
+
+
+def check(rows, width, dtype, device, residual=True):
+    x, weight, bias, dy, d_res, mean, rstd = saved_forward(rows, width, dtype, device)
+    d_res = d_res if residual else None
+    dx, dw, db = tln.layer_norm_backward(dy, x, mean, rstd, weight, d_res)
+    assert dx.dtype == dtype and dx.shape == x.shape and dw.dtype == db.dtype == weight.dtype
+    ref = reference(x, weight, bias, dy, d_res, mean, rstd)
+    aten = torch.ops.aten.native_layer_norm_backward(dy, x, (width,), mean, rstd, weight, bias,
+                                                      [True, True, True])
+    assert_close("dx", dx, ref[0], dtype)
+    assert_close("dw", dw, ref[1], dtype, aten=aten[1])
+    assert_close("db", db, ref[2], dtype, aten=aten[2])
+    # and ATen's own input gradient in this dtype meets the same bound (the bound is fair)
+    assert_close("ATen dx", aten[0] if d_res is None else aten[0] + d_res, ref[0], dtype)
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("rows,width", [(37, 96), (130, 72), (8, 256), (1, 40)])
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "no-residual"])
+@pytest.mark.parametrize("acc_2d", [True, False], ids=["row-slot-sums", "step-sums"])
+def test_cpu_backward_matches_aten(monkeypatch, rows, width, dtype, residual, acc_2d):
+    """Odd row counts (a partial last step, programs with fewer rows) and non-power-of-2 widths,
+    with either way of keeping the weight-gradient sums."""
+    monkeypatch.setattr(tln, "ACC_2D", acc_2d)
+    check(rows, width, dtype, "cpu", residual)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rows,width", [(128 * 1248, 96), (128 * 312, 192), (128 * 76, 384),
+                                        (128 * 19, 768), (128 * 196, 512), (1000, 4096), (3, 56)])
+def test_gpu_backward_matches_aten(rows, width, dtype):
+    """Hiera-B MAE's LayerNorms at batch 128 (stages 1-4, decoder), the widest row, a tiny one."""
+    check(rows, width, dtype, "cuda")
+
+
+def test_supports_declines_what_it_cannot_take():
+    x = torch.randn(4, 8)
+    assert not tln.supports(x, None)
+    assert not tln.supports(x, torch.ones(9))
+    assert not tln.supports(torch.randn(4, tln.MAX_WIDTH + 1), torch.ones(tln.MAX_WIDTH + 1))
+    assert not tln.supports(x.to(torch.int32), torch.ones(8))
+
+
+# --- the block: fork under torch.compile -------------------------------------------------------
+
+
+@pytest.fixture
+def fused_ln(monkeypatch):
+    """``layer_norm.fused_backward`` on for the test; the list counts the kernel's calls."""
+    from hiera_autopatch.ops import layer_norm
+
+    monkeypatch.setattr(layer_norm, "fused_backward", True)
+    calls = []
+    original = tln.layer_norm_backward
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tln, "layer_norm_backward", counted)
+    yield calls
+    torch._dynamo.reset()
+
+
+@cpu_only
+def test_cpu_fork_gradients_match_plain_autograd(fused_ln):
+    """Two residual blocks ``x + lin(norm(x))`` through ``fork`` under Inductor (CPU), one norm
+    whose residual output goes unused: output, input grad and every weight grad as eager's."""
+    from hiera_autopatch.ops import layer_norm
+
+    torch.manual_seed(0)
+    norm, lin = torch.nn.LayerNorm(24), torch.nn.Linear(24, 24)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+
+    def blocks(x, fork):
+        x_res, x_norm = fork(norm, x)
+        x = x_res + lin(x_norm)
+        _, x_norm = fork(norm, x)  # residual output unused (as a pooling block's)
+        return lin(x_norm)
+
+    x = torch.randn(3, 10, 24)
+    upstream = torch.randn(3, 10, 24)
+    results = []
+    for fn in (lambda x: blocks(x, lambda n, t: (t, n(t))),
+               torch.compile(lambda x: blocks(x, layer_norm.fork), fullgraph=True)):
+        params = [x.clone().requires_grad_(), *norm.parameters(), *lin.parameters()]
+        for p in params[1:]:
+            p.grad = None
+        out = fn(params[0])
+        out.backward(upstream)
+        results.append([out.detach()] + [p.grad.clone() for p in params])
+    assert len(fused_ln) == 2
+    names = ["out", "dx", "norm.weight", "norm.bias", "lin.weight", "lin.bias"]
+    for name, actual, expected in zip(names, results[1], results[0]):
+        assert_close(name, actual, expected, torch.float32)
+
+
+@cpu_only
+def test_cpu_mae_with_fused_layer_norm_matches_fair(fused_ln):
+    """FAIR's MAE (tiny) compiled by Inductor with every block norm through ``fork``: every output
+    and gradient matches FAIR's eager run. ``fallback_random``: the mask from eager's RNG."""
+    pytest.importorskip("hiera")
+    import torch._inductor.config as inductor_config
+
+    import hiera_autopatch
+    from equivalence import assert_equivalent, fair_model, input_for, run_step
+
+    torch.manual_seed(0)
+    model = fair_model("mae", "tiny", stages=(1, 1, 1, 1))
+    x = input_for(model)
+    with hiera_autopatch.disabled():
+        fair = run_step(model, x, lambda m, x: m(x))
+    hiera_autopatch.enable()
+    try:
+        torch._dynamo.reset()
+        with inductor_config.patch(fallback_random=True):
+            compiled = run_step(model, x, torch.compile(lambda m, x: m(x), fullgraph=True))
+    finally:
+        hiera_autopatch.disable()
+    assert_equivalent(fair, compiled, 1e-5, 1e-4)
+    blocks = sum(1 for m in model.modules() if type(m).__name__ == "HieraBlock")
+    assert len(fused_ln) == 2 * blocks
+
+
+def test_fork_is_plain_outside_compile(fused_ln):
+    """Eager (not compiling): ``(x, norm(x))`` itself, no Function."""
+    from hiera_autopatch.ops import layer_norm
+
+    norm = torch.nn.LayerNorm(8)
+    x = torch.randn(2, 8, requires_grad=True)
+    x_res, y = layer_norm.fork(norm, x)
+    assert x_res is x and torch.equal(y, norm(x))
+    assert y.grad_fn.name() != "ForkLayerNormBackward"
