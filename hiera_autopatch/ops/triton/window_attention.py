@@ -463,6 +463,11 @@ TUNED: Dict[Tuple[int, int, int], Dict[str, int]] = {
         "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_M_BWD": 16, "BLOCK_N_BWD": 64},
     (16, 4, 96): {  # stage 3's first block (4 windows a program): forward 0.031 ms vs 0.059
         "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 2, "BLOCK_M_BWD": 16, "BLOCK_N_BWD": 64},
+    (76, 4, 96): {  # stage 4's first block (q-pooled, global over 76 keys; one call a step), timed
+        # on an H100 (h100_tune_attention_stage4_pool.json): forward 0.026 ms vs 0.040, backward
+        # 0.111 vs 0.158 (keys in 32-blocks: the delta, dk/dv and dq kernels)
+        "BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 2,
+        "BLOCK_M_BWD": 16, "BLOCK_N_BWD": 32, "num_warps_bwd": 2},
 }
 
 
