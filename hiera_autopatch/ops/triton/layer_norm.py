@@ -16,28 +16,23 @@ Chain: kernels -> ``layer_norm_backward`` (launcher) -> custom op ``hiera_autopa
 
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import Optional, Tuple
 
 import torch
 
-try:  # the module must import (and ``supports`` answer False) without triton
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from ._runtime import HAS_TRITON, tl, triton
+from ._runtime import interpreting as _interpreting
+from ._runtime import on_device as _on_device
 
 MAX_WIDTH = 4096  # one row in registers: BLOCK_C = next_pow2(C) <= 4096
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Launch shape: the best of scripts/bench_layer_norm.py's sweep on an H100 over Hiera-B MAE's norms
+# (benchmarks/results/h100_bench_layer_norm_variants.json: 1.98 ms a step against Inductor's 2.35;
+# more programs an SM, larger tiles, or column sums each step were slower)
+TILE_ELEMENTS = 4096  # rows a step x BLOCK_C
+PROGRAMS_PER_SM = 2  # programs per SM, each over its share of the rows
+ACC_2D = True  # weight-gradient sums kept per row slot, reduced once at the end (see the kernel)
 
 
 if HAS_TRITON:
@@ -130,19 +125,10 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-TILE_ELEMENTS = 4096  # rows a step x BLOCK_C
-PROGRAMS_PER_SM = 2  # programs per SM, each over its share of the rows
-ACC_2D = True  # weight-gradient sums kept per row slot until the end (see the kernel)
-
-
 def _programs(device: torch.device, row_steps: int) -> int:
     if device.type != "cuda":
         return min(row_steps, 4)  # the interpreter: a few programs, each over several steps
     return min(row_steps, PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
-
-
-def _on_device(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,

@@ -34,30 +34,19 @@ Chain (Liger-Kernel style): kernels -> ``window_attention_forward``/``window_att
 
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-try:  # the module must import (and ``supports`` answer False) without triton
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from ._runtime import HAS_TRITON, tl, triton
+from ._runtime import interpreting as _interpreting
+from ._runtime import on_device as _on_device
 
 POOL_MODES = ("max", "amax")
 MAX_HEAD_DIM = 128  # BLOCK_D = next_pow2(D) <= 128 keeps the q/k/v tiles in registers/shared
 _LOG2E = 1.4426950408889634
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -532,10 +521,6 @@ def full_config(config: Optional[Dict[str, int]], T: int, q_stride: int, D: int,
             assert block >= 16 and block & (block - 1) == 0, cfg
     return {key: int(cfg[key]) for key in _CONFIG_KEYS}
 
-
-def _on_device(t: torch.Tensor):
-    # Triton launches on the current CUDA device: make it the tensor's (multi-GPU, no DDP setup)
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

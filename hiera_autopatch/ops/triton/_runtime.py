@@ -1,0 +1,29 @@
+"""What every Triton kernel module here shares: triton itself (optional), the interpreter check and
+the device guard for launches."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+try:  # the kernel modules must import (and their ``supports`` answer False) without triton
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET=1: kernels run on the CPU in Triton's interpreter (tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensor's (multi-GPU, no DDP setup)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
