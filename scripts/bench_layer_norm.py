@@ -32,14 +32,17 @@ SHAPES = {
 
 
 def parse_variant(variant: str):
-    """"2x4096x2" -> (programs per SM, tile elements, 2-D accumulators?); the last part: 2 (sums
-    per row slot, the default) or 1 (column sums each step)."""
-    per_sm, tile, *acc = (int(v) for v in variant.split("x"))
-    return per_sm, tile, (acc or [2])[0] == 2
+    """"2x4096x2[x8]" -> (programs per SM, tile elements, 2-D accumulators?, warps or None); the
+    third part: 2 (sums per row slot, the default) or 1 (column sums each step); the fourth: warps
+    (default: the launcher's rule)."""
+    per_sm, tile, *rest = (int(v) for v in variant.split("x"))
+    acc = rest[0] if rest else 2
+    warps = rest[1] if len(rest) > 1 else None
+    return per_sm, tile, acc == 2, warps
 
 
-def variant_name(per_sm: int, tile: int, acc_2d: bool) -> str:
-    return f"{per_sm}x{tile}x{2 if acc_2d else 1}"
+def variant_name(per_sm: int, tile: int, acc_2d: bool, warps=None) -> str:
+    return f"{per_sm}x{tile}x{2 if acc_2d else 1}" + (f"x{warps}" if warps else "")
 
 
 def main(argv=None) -> int:
@@ -47,15 +50,15 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--variants", default="1x4096x2,2x4096x2,2x4096x1,4x4096x1,4x2048x1,8x2048x1,8x1024x1",
+    parser.add_argument("--variants", default="2x4096x2,1x4096x2,4x2048x2,8x2048x2,2x4096x2x8,4x2048x2x8,8x1024x2,2x4096x1",
                         help="programs per SM x tile elements (rows a step x padded width) x 2 (sums per "
-                        "row slot) or 1 (column sums each step), comma list")
+                        "row slot) or 1 (column sums each step) [x warps], comma list")
     args = parser.parse_args(argv)
 
     from hiera_autopatch.ops import step_graph
     from hiera_autopatch.ops.triton import layer_norm as tln
 
-    shipped = tln.PROGRAMS_PER_SM, tln.TILE_ELEMENTS, tln.ACC_2D
+    shipped = tln.PROGRAMS_PER_SM, tln.TILE_ELEMENTS, tln.ACC_2D, tln.NUM_WARPS
 
     torch.manual_seed(0)
     results = results_header(args.batch, "cuda")
@@ -82,7 +85,7 @@ def main(argv=None) -> int:
                  "min_bytes": 4 * rows * width * x.element_size()}
         entry["inductor_ms"] = graph_replay_ms(lambda: compiled(dy, x, mean, rstd, w, b, d_res))
         for variant in args.variants.split(","):
-            tln.PROGRAMS_PER_SM, tln.TILE_ELEMENTS, tln.ACC_2D = parse_variant(variant)
+            tln.PROGRAMS_PER_SM, tln.TILE_ELEMENTS, tln.ACC_2D, tln.NUM_WARPS = parse_variant(variant)
             got = tln.layer_norm_backward(dy, x, mean, rstd, w, d_res)
             errors = [float((g.float() - e.float()).norm() / e.float().norm()) for g, e in zip(got, expected)]
             entry[f"ours_{variant}_rel_err"] = errors
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
         entry["saved_ms_per_step"] = (entry["inductor_ms"] - best[0]) * per_step
         entry["best_tb_per_s"] = entry["min_bytes"] / best[0] / 1e9
         entry["inductor_tb_per_s"] = entry["min_bytes"] / entry["inductor_ms"] / 1e9
-        tln.PROGRAMS_PER_SM, tln.TILE_ELEMENTS, tln.ACC_2D = shipped
+        tln.PROGRAMS_PER_SM, tln.TILE_ELEMENTS, tln.ACC_2D, tln.NUM_WARPS = shipped
         entry["shipped"] = variant_name(*shipped)
         results["shapes"][name] = entry
         print(name, json.dumps(entry), flush=True)

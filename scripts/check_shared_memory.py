@@ -47,8 +47,10 @@ def ptxas_usage(compiled) -> dict:
             "spill_load_bytes": number(r"(\d+) bytes spill loads")}
 
 
-def compile_sm90(kernel, dtype: str, constexprs: dict, num_warps: int, num_stages: int):
-    """``kernel`` (a @triton.jit function) compiled for sm_90 with these constexprs."""
+def compile_sm90(kernel, dtype: str, constexprs: dict, num_warps: int, num_stages: int, pointers=None):
+    """``kernel`` (a @triton.jit function) compiled for sm_90 with these constexprs. ``pointers``:
+    its pointer arguments -> element type (None: ``dtype``); default: the attention kernels'."""
+    pointers = _POINTERS if pointers is None else pointers
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -58,8 +60,8 @@ def compile_sm90(kernel, dtype: str, constexprs: dict, num_warps: int, num_stage
     for name in params:
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in _POINTERS:
-            signature[name] = "*" + (_POINTERS[name] or dtype)
+        elif name in pointers:
+            signature[name] = "*" + (pointers[name] or dtype)
         else:
             signature[name] = "fp32" if name in _FLOATS else "i32"
     source = ASTSource(fn=kernel, signature=signature,

@@ -337,7 +337,7 @@ def main(argv=None) -> int:
         from bench_layer_norm import parse_variant
 
         (triton_layer_norm.PROGRAMS_PER_SM, triton_layer_norm.TILE_ELEMENTS,
-         triton_layer_norm.ACC_2D) = parse_variant(args.ln_variant)
+         triton_layer_norm.ACC_2D, triton_layer_norm.NUM_WARPS) = parse_variant(args.ln_variant)
     shipped_blas = torch.backends.cuda.preferred_blas_library()
     shipped_fused_ln = layer_norm_ops.fused_backward
     tuning = tuned_blocks(args.attention_tuning) if args.attention_tuning else {}

@@ -211,3 +211,17 @@ def test_fork_is_plain_outside_compile(fused_ln):
     x_res, y = layer_norm.fork(norm, x)
     assert x_res is x and torch.equal(y, norm(x))
     assert y.grad_fn.name() != "ForkLayerNormBackward"
+
+
+def test_bench_variants_parse_and_name_back():
+    """scripts/bench_layer_norm.py's variant syntax (also profile_step.py's --ln-variant): the
+    launcher's knobs, warps optional (None: the launcher's rule)."""
+    from conftest import import_script
+
+    bench = import_script("bench_layer_norm")
+    assert bench.parse_variant("2x4096") == (2, 4096, True, None)
+    assert bench.parse_variant("2x4096x1") == (2, 4096, False, None)
+    assert bench.parse_variant("4x2048x2x8") == (4, 2048, True, 8)
+    assert bench.variant_name(*bench.parse_variant("4x2048x2x8")) == "4x2048x2x8"
+    assert bench.variant_name(tln.PROGRAMS_PER_SM, tln.TILE_ELEMENTS, tln.ACC_2D, tln.NUM_WARPS) == "2x4096x2"
+    assert tln.num_warps(8, 512) == 4 and tln.num_warps(16, 512) == 8

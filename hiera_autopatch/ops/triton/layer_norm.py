@@ -33,6 +33,11 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TILE_ELEMENTS = 4096  # rows a step x BLOCK_C
 PROGRAMS_PER_SM = 2  # programs per SM, each over its share of the rows
 ACC_2D = True  # weight-gradient sums kept per row slot, reduced once at the end (see the kernel)
+NUM_WARPS = None  # None: 4, or 8 for tiles over 4096 elements
+
+
+def num_warps(block_r: int, block_c: int) -> int:
+    return NUM_WARPS or (4 if block_r * block_c <= 4096 else 8)
 
 
 if HAS_TRITON:
@@ -159,7 +164,7 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, r
             dy2, x2, mean.reshape(-1), rstd.reshape(-1), weight, res2, dx, part,
             n_rows, rows_per_program,
             C=C, BLOCK_R=block_r, BLOCK_C=block_c, HAS_RES=d_res is not None, ACC_2D=ACC_2D,
-            num_warps=4 if block_c * block_r <= 4096 else 8,
+            num_warps=num_warps(block_r, block_c),
         )
         _sum_parts_kernel[(triton.cdiv(2 * C, block_w),)](
             part, dw, db, programs, C=C, BLOCK_P=128, BLOCK_W=block_w, num_warps=4,
