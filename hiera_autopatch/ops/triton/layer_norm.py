@@ -173,18 +173,14 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, r
 
 
 @torch.library.custom_op("hiera_autopatch::layer_norm_backward", mutates_args=())
-def _backward_op(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                 weight: torch.Tensor, d_res: Optional[torch.Tensor]
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def layer_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                           weight: torch.Tensor, d_res: Optional[torch.Tensor]
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``layer_norm_backward`` as a custom op (what the autograd Function calls)."""
     return layer_norm_backward(dy, x, mean, rstd, weight, d_res)
 
 
-@_backward_op.register_fake
+@layer_norm_backward_op.register_fake
 def _backward_shapes(dy, x, mean, rstd, weight, d_res):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     return dx, weight.new_empty(weight.shape), weight.new_empty(weight.shape)
-
-
-def layer_norm_backward_op(dy, x, mean, rstd, weight, d_res=None):
-    """``layer_norm_backward`` as the custom op (what the autograd Function calls)."""
-    return _backward_op(dy, x, mean, rstd, weight, d_res)
