@@ -312,8 +312,9 @@ def main(argv=None) -> int:
                         help="regex: for each profiled mode, the host ops that launch matching kernels "
                              "(use on a mode without CUDA graphs, e.g. compile)")
     parser.add_argument("--attention-tuning", help="tune_attention.py JSON for the +tuned_attention switch")
-    parser.add_argument("--ln-variant", help="+fused_ln's programs per SM x tile elements, e.g. 4x8192 "
-                        "(scripts/bench_layer_norm.py's variants); default: ops/triton/layer_norm.py's")
+    parser.add_argument("--ln-variant", help="the one-pass LayerNorm backward's launch, e.g. 4x2048x2x8: programs per SM x tile "
+                        "elements x sums kind [x warps] (scripts/bench_layer_norm.py's variants); default: "
+                        "ops/triton/layer_norm.py's")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
