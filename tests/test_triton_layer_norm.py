@@ -88,6 +88,12 @@ def check(rows, width, dtype, device, residual=True):
     assert_close("db", db, ref[2], dtype, aten=aten[2])
     # and ATen's own input gradient in this dtype meets the same bound (the bound is fair)
     assert_close("ATen dx", aten[0] if d_res is None else aten[0] + d_res, ref[0], dtype)
+    # dx_sum: the same dx, dw, db, and the column sums of dx as stored (the bias gradient that
+    # autograd would take as dx.sum(0) in dx's dtype)
+    dx2, dw2, db2, ds = tln.layer_norm_backward(dy, x, mean, rstd, weight, d_res, dx_sum=True)
+    assert torch.equal(dx2, dx) and torch.equal(dw2, dw) and torch.equal(db2, db)
+    assert ds.dtype == dtype and ds.shape == (width,)
+    assert_close("ds", ds, dx.double().sum(0), dtype, aten=dx.sum(0))
 
 
 @cpu_only
@@ -132,7 +138,7 @@ def fused_ln(monkeypatch):
     original = tln.layer_norm_backward
 
     def counted(*args, **kwargs):
-        calls.append(args[1].shape)
+        calls.append((args[1].shape, kwargs.get("dx_sum", False)))
         return original(*args, **kwargs)
 
     monkeypatch.setattr(tln, "layer_norm_backward", counted)
@@ -200,6 +206,38 @@ def test_cpu_mae_with_fused_layer_norm_matches_fair(fused_ln):
     assert_equivalent(fair, compiled, 1e-5, 1e-4)
     blocks = sum(1 for m in model.modules() if type(m).__name__ == "HieraBlock")
     assert len(fused_ln) == 2 * blocks
+
+
+@cpu_only
+def test_cpu_mae_with_folded_bias_sums_matches_fair(fused_ln):
+    """The graphed step's post-grad pass (``layer_norm.fold_dx_sums``) on FAIR's tiny MAE under
+    Inductor: some bias gradients come from the kernel's dx sums, and every output and gradient
+    still matches FAIR's eager run."""
+    pytest.importorskip("hiera")
+    import torch._inductor.config as inductor_config
+
+    import hiera_autopatch
+    from equivalence import assert_equivalent, fair_model, input_for, run_step
+    from hiera_autopatch.ops import layer_norm
+
+    torch.manual_seed(0)
+    model = fair_model("mae", "tiny", stages=(1, 1, 1, 1))
+    x = input_for(model)
+    with hiera_autopatch.disabled():
+        fair = run_step(model, x, lambda m, x: m(x))
+    hiera_autopatch.enable()
+    try:
+        torch._dynamo.reset()
+        with inductor_config.patch(fallback_random=True):
+            compiled = run_step(model, x, torch.compile(lambda m, x: m(x), fullgraph=True, options={
+                "post_grad_custom_post_pass": layer_norm.dx_sums_pass()}))
+    finally:
+        hiera_autopatch.disable()
+    assert_equivalent(fair, compiled, 1e-5, 1e-4)
+    blocks = sum(1 for m in model.modules() if type(m).__name__ == "HieraBlock")
+    assert len(fused_ln) == 2 * blocks
+    # the kernel took at least the proj bias of each block (the sum of norm2's dx)
+    assert sum(dx_sum for _, dx_sum in fused_ln) >= blocks
 
 
 def test_fork_is_plain_outside_compile(fused_ln):

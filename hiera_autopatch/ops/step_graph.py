@@ -72,15 +72,23 @@ def default_options() -> Dict[str, object]:
     - no mix-order reductions: LayerNorm's input and weight gradients in separate kernels rather
       than one kernel whose per-block partial sums 68 ATen sums then finish (9.6 us each). Step
       32.7 / 32.7 ms with them, 31.5 / 32.5 without, A/B/A/B in one run
-      (benchmarks/results/h200_profile_mix_split.json).
+      (benchmarks/results/h200_profile_mix_split.json);
+    - a post-grad pass (``layer_norm.fold_dx_sums``) that takes the bias gradients summing a block
+      LayerNorm's input gradient from our LayerNorm backward kernel, where the user set none.
     """
     import torch._inductor.config as inductor_config
+
+    from . import layer_norm
 
     options: Dict[str, object] = {}
     if hasattr(inductor_config.triton, "enable_pdl"):
         options["triton.enable_pdl"] = True
     if hasattr(inductor_config.triton, "mix_order_reduction"):
         options["triton.mix_order_reduction"] = False
+    if layer_norm.dx_sums and getattr(inductor_config, "post_grad_custom_post_pass", True) is None:
+        folding = layer_norm.dx_sums_pass()
+        if folding is not None:
+            options["post_grad_custom_post_pass"] = folding
     return options
 
 WARMUP_RUNS = 2

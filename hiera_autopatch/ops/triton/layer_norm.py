@@ -47,10 +47,12 @@ if HAS_TRITON:
         DY, X, MEAN, RSTD, W, DRES, DX, PART,
         n_rows, rows_per_program,
         C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_RES: tl.constexpr,
-        ACC_2D: tl.constexpr,
+        ACC_2D: tl.constexpr, DX_SUM: tl.constexpr, PARTS: tl.constexpr,
     ):
         # Rows [pid * rows_per_program, ...) of dy, x, d_res, dx: (n_rows, C), contiguous.
-        # PART (programs, 2*C) fp32: this program's sums of dy*xhat (columns 0..C) and dy (C..2C).
+        # PART (programs, 2*C or 3*C) fp32: this program's sums of dy*xhat (columns 0..C), dy
+        # (C..2C) and, with DX_SUM, dx as stored (2C..3C: the bias gradient of the Linear whose
+        # output's gradient dx is); PARTS: 3 with DX_SUM, else 2.
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_C)  # (BLOCK_C,)
         c_ok = cols < C
@@ -60,9 +62,11 @@ if HAS_TRITON:
         if ACC_2D:
             dw_acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
             db_acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+            ds_acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
         else:
             dw_acc = tl.zeros([BLOCK_C], tl.float32)
             db_acc = tl.zeros([BLOCK_C], tl.float32)
+            ds_acc = tl.zeros([BLOCK_C], tl.float32)
         first = pid * rows_per_program
         end = tl.minimum(first + rows_per_program, n_rows)
         for r0 in range(first, end, BLOCK_R):
@@ -81,35 +85,47 @@ if HAS_TRITON:
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
             if HAS_RES:
                 dx += tl.load(DRES + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            dx_out = dx.to(DX.dtype.element_ty)
+            tl.store(DX + offs, dx_out, mask=mask)
             if ACC_2D:
                 dw_acc += dy * xhat
                 db_acc += dy
+                if DX_SUM:
+                    ds_acc += dx_out.to(tl.float32)  # rows past the end: 0; columns past C: never stored
             else:
                 dw_acc += tl.sum(dy * xhat, 0)
                 db_acc += tl.sum(dy, 0)
-        part = PART + pid.to(tl.int64) * (2 * C) + cols
+                if DX_SUM:
+                    ds_acc += tl.sum(dx_out.to(tl.float32), 0)
+        part = PART + pid.to(tl.int64) * (PARTS * C) + cols
         if ACC_2D:
             tl.store(part, tl.sum(dw_acc, 0), mask=c_ok)
             tl.store(part + C, tl.sum(db_acc, 0), mask=c_ok)
+            if DX_SUM:
+                tl.store(part + 2 * C, tl.sum(ds_acc, 0), mask=c_ok)
         else:
             tl.store(part, dw_acc, mask=c_ok)
             tl.store(part + C, db_acc, mask=c_ok)
+            if DX_SUM:
+                tl.store(part + 2 * C, ds_acc, mask=c_ok)
 
     @triton.jit
-    def _sum_parts_kernel(PART, DW, DB, n_parts, C: tl.constexpr, BLOCK_P: tl.constexpr,
-                          BLOCK_W: tl.constexpr):
-        # PART (n_parts, 2*C) fp32 -> its column sums: the first C to DW, the rest to DB.
-        cols = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)  # (BLOCK_W,) of 2*C
-        c_ok = cols < 2 * C
+    def _sum_parts_kernel(PART, DW, DB, DS, n_parts, C: tl.constexpr, PARTS: tl.constexpr,
+                          BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr):
+        # PART (n_parts, PARTS*C) fp32 -> its column sums: columns 0..C to DW, C..2C to DB and,
+        # with PARTS 3, 2C..3C to DS.
+        cols = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)  # (BLOCK_W,) of PARTS*C
+        c_ok = cols < PARTS * C
         total = tl.zeros([BLOCK_W], tl.float32)
         for p0 in range(0, n_parts, BLOCK_P):
             parts = p0 + tl.arange(0, BLOCK_P)  # (BLOCK_P,)
             mask = (parts < n_parts)[:, None] & c_ok[None, :]
-            total += tl.sum(tl.load(PART + parts[:, None] * (2 * C) + cols[None, :], mask=mask,
+            total += tl.sum(tl.load(PART + parts[:, None] * (PARTS * C) + cols[None, :], mask=mask,
                                     other=0.0), 0)
         tl.store(DW + cols, total.to(DW.dtype.element_ty), mask=cols < C)
-        tl.store(DB + (cols - C), total.to(DB.dtype.element_ty), mask=c_ok & (cols >= C))
+        tl.store(DB + (cols - C), total.to(DB.dtype.element_ty), mask=(cols >= C) & (cols < 2 * C))
+        if PARTS == 3:
+            tl.store(DS + (cols - 2 * C), total.to(DS.dtype.element_ty), mask=c_ok & (cols >= 2 * C))
 
 
 def supports(x: torch.Tensor, weight: Optional[torch.Tensor]) -> bool:
@@ -137,12 +153,13 @@ def _programs(device: torch.device, row_steps: int) -> int:
 
 
 def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                        weight: torch.Tensor, d_res: Optional[torch.Tensor] = None,
-                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        weight: torch.Tensor, d_res: Optional[torch.Tensor] = None, dx_sum: bool = False,
+                        ) -> Tuple[torch.Tensor, ...]:
     """-> (dx, dw, db) of ``layer_norm(x, (C,), weight, bias)`` given the output's gradient ``dy``,
     the forward's per-row ``mean`` and ``rstd`` (``aten.native_layer_norm``'s), and, when ``x`` also
     fed a residual add, that add's gradient ``d_res`` (added into dx). dx in x's dtype and shape,
-    dw and db in weight's dtype."""
+    dw and db in weight's dtype. ``dx_sum``: (dx, dw, db, ds), ``ds`` (C,) the column sums of dx as
+    stored, in dx's dtype: the bias gradient of a Linear whose output was ``x``."""
     C = x.shape[-1]
     dy2 = dy.reshape(-1, C).contiguous()  # (N, C)
     x2 = x.reshape(-1, C).contiguous()
@@ -155,20 +172,24 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, r
     rows_per_program = triton.cdiv(row_steps, programs) * block_r
     programs = triton.cdiv(n_rows, rows_per_program)
     dx = torch.empty_like(x2)
-    part = torch.empty(programs, 2 * C, device=x.device, dtype=torch.float32)  # every row written
+    parts = 3 if dx_sum else 2  # sums kept per column: dw, db[, ds]
+    part = torch.empty(programs, parts * C, device=x.device, dtype=torch.float32)  # every row written
     dw = torch.empty(C, device=x.device, dtype=weight.dtype)
     db = torch.empty(C, device=x.device, dtype=weight.dtype)
-    block_w = 32  # columns a finishing program: 2*C/32 programs over the partial rows
+    ds = torch.empty(C, device=x.device, dtype=x.dtype) if dx_sum else db  # (not written without)
+    block_w = 32  # columns a finishing program: parts*C/32 programs over the partial rows
     with _on_device(x):
         _layer_norm_bwd_kernel[(programs,)](
             dy2, x2, mean.reshape(-1), rstd.reshape(-1), weight, res2, dx, part,
             n_rows, rows_per_program,
             C=C, BLOCK_R=block_r, BLOCK_C=block_c, HAS_RES=d_res is not None, ACC_2D=ACC_2D,
-            num_warps=num_warps(block_r, block_c),
+            DX_SUM=dx_sum, PARTS=parts, num_warps=num_warps(block_r, block_c),
         )
-        _sum_parts_kernel[(triton.cdiv(2 * C, block_w),)](
-            part, dw, db, programs, C=C, BLOCK_P=128, BLOCK_W=block_w, num_warps=4,
+        _sum_parts_kernel[(triton.cdiv(parts * C, block_w),)](
+            part, dw, db, ds, programs, C=C, PARTS=parts, BLOCK_P=128, BLOCK_W=block_w, num_warps=4,
         )
+    if dx_sum:
+        return dx.view(x.shape), dw, db, ds
     return dx.view(x.shape), dw, db
 
 
@@ -184,3 +205,18 @@ def layer_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor
 def _backward_shapes(dy, x, mean, rstd, weight, d_res):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     return dx, weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+@torch.library.custom_op("hiera_autopatch::layer_norm_backward_dx_sum", mutates_args=())
+def layer_norm_backward_dx_sum_op(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                                  weight: torch.Tensor, d_res: Optional[torch.Tensor]
+                                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``layer_norm_backward(..., dx_sum=True)`` as a custom op: what ``ops/layer_norm``'s graph
+    pass puts in place of ``layer_norm_backward_op`` where the step also sums dx over its rows."""
+    return layer_norm_backward(dy, x, mean, rstd, weight, d_res, dx_sum=True)
+
+
+@layer_norm_backward_dx_sum_op.register_fake
+def _backward_dx_sum_shapes(dy, x, mean, rstd, weight, d_res):
+    dx, dw, db = _backward_shapes(dy, x, mean, rstd, weight, d_res)
+    return dx, dw, db, x.new_empty(x.shape[-1:])
