@@ -59,7 +59,8 @@ INDUCTOR_SWITCHES = {
     "nd_tiling": {"triton.prefer_nd_tiling": True},  # 2-D tiles for pointwise/reductions (LN weight grads)
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
-            "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", "fused_ln", "inductor_ln", *INDUCTOR_SWITCHES)
+            "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", "fused_ln", "inductor_ln",
+            "ln_variant", "no_dx_sum", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -85,7 +86,9 @@ def parse_mode(mode: str) -> dict:
     session 15's commands did), cublaslt (ATen's matmuls, Inductor's extern ones too, through
     cuBLASLt: ``torch.backends.cuda.preferred_blas_library("cublaslt")``), fused_ln / inductor_ln (the
     blocks' LayerNorm backward in one pass with the residual's gradient, ops/layer_norm.fused_backward,
-    on / off; neither: the shipped default),
+    on / off; neither: the shipped default), ln_variant (that backward launched as ``--ln-variant``
+    says; without it: the shipped launch), no_dx_sum (the bias gradients that sum a block
+    LayerNorm's input gradient as Inductor's reductions, not from that kernel: ops/layer_norm.dx_sums),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
     """
@@ -312,9 +315,9 @@ def main(argv=None) -> int:
                         help="regex: for each profiled mode, the host ops that launch matching kernels "
                              "(use on a mode without CUDA graphs, e.g. compile)")
     parser.add_argument("--attention-tuning", help="tune_attention.py JSON for the +tuned_attention switch")
-    parser.add_argument("--ln-variant", help="the one-pass LayerNorm backward's launch, e.g. 4x2048x2x8: programs per SM x tile "
-                        "elements x sums kind [x warps] (scripts/bench_layer_norm.py's variants); default: "
-                        "ops/triton/layer_norm.py's")
+    parser.add_argument("--ln-variant", help="the one-pass LayerNorm backward's launch in modes with +ln_variant, e.g. "
+                        "4x2048x2x8: programs per SM x tile elements x sums kind [x warps] "
+                        "(scripts/bench_layer_norm.py's variants); other modes: ops/triton/layer_norm.py's")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
@@ -334,13 +337,18 @@ def main(argv=None) -> int:
     from hiera_autopatch.ops.triton import window_attention
 
     shipped_tuning = dict(window_attention.TUNED)
+    shipped_ln_launch = (triton_layer_norm.PROGRAMS_PER_SM, triton_layer_norm.TILE_ELEMENTS,
+                         triton_layer_norm.ACC_2D, triton_layer_norm.NUM_WARPS)
+    ln_variant_launch = shipped_ln_launch
     if args.ln_variant:
         from bench_layer_norm import parse_variant
 
-        (triton_layer_norm.PROGRAMS_PER_SM, triton_layer_norm.TILE_ELEMENTS,
-         triton_layer_norm.ACC_2D, triton_layer_norm.NUM_WARPS) = parse_variant(args.ln_variant)
+        ln_variant_launch = parse_variant(args.ln_variant)
+    if any("ln_variant" in parse_mode(mode)["switches"] for mode in args.modes.split(",")) and not args.ln_variant:
+        parser.error("+ln_variant needs --ln-variant")
     shipped_blas = torch.backends.cuda.preferred_blas_library()
     shipped_fused_ln = layer_norm_ops.fused_backward
+    shipped_dx_sums = layer_norm_ops.dx_sums
     tuning = tuned_blocks(args.attention_tuning) if args.attention_tuning else {}
     model, x = build(args)
     results = {
@@ -362,8 +370,11 @@ def main(argv=None) -> int:
         patch_embed_ops.aligned = "unaligned_embed" not in spec["switches"]
         fusion_head_ops.as_matmul = "conv_heads" not in spec["switches"]
         attention_ops.fused_bias_grad = "kernel_bias_grad" in spec["switches"]
+        layer_norm_ops.dx_sums = shipped_dx_sums and "no_dx_sum" not in spec["switches"]
         layer_norm_ops.fused_backward = ("fused_ln" in spec["switches"]
                                          or (shipped_fused_ln and "inductor_ln" not in spec["switches"]))
+        (triton_layer_norm.PROGRAMS_PER_SM, triton_layer_norm.TILE_ELEMENTS, triton_layer_norm.ACC_2D,
+         triton_layer_norm.NUM_WARPS) = ln_variant_launch if "ln_variant" in spec["switches"] else shipped_ln_launch
         # +cublaslt: ATen's matmuls (Inductor's extern mm/addmm too) through cuBLASLt's own heuristics
         torch.backends.cuda.preferred_blas_library("cublaslt" if "cublaslt" in spec["switches"] else shipped_blas)
         torch._dynamo.reset()  # each mode compiles afresh: no cache entry of another mode's options
