@@ -85,6 +85,8 @@ SWITCH_LABELS = {
     "cublaslt": "ATen matmuls through cuBLASLt",
     "fused_ln": "block LayerNorm backward in one pass with the residual gradient",
     "inductor_ln": "block LayerNorm backward in Inductor's kernels",
+    "ln_variant": "block LayerNorm backward at the --ln-variant launch",
+    "no_dx_sum": "bias gradients that sum a block LayerNorm's input gradient as Inductor's reductions",
     "coop": "Inductor cooperative reductions",
     "aggressive": "Inductor aggressive fusion",
     "nd_tiling": "Inductor 2-D tiling",
