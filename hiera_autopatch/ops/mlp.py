@@ -12,6 +12,12 @@ with it (benchmarks/results/h200_profile_gaps.json) against 37.5 ms at 8.0 GiB w
 earlier run (h200_profile_ablation.json; two runs, not an interleaved A/B). In eager it is one more
 kernel and a Python autograd node per block: 2-7 ms per step slower in an interleaved A/B
 (h200_profile_block_decoder.json).
+
+Under torch.compile the backward takes GELU, its gradient and fc1's bias gradient from one Triton
+kernel (``triton/gelu.py``). In the graphed step Inductor instead runs GELU's backward twice: once
+pointwise (GELU and its gradient) and once inside the bias-sum reduction. H100, Hiera-B MAE,
+graphs, two interleaved pairs: 33.8 / 34.1 ms/step with our kernel against 36.0 / 35.2 without;
+GPU time in reductions 1.13 ms against 3.37 (benchmarks/results/h100_profile_gelu.json).
 """
 
 from __future__ import annotations
@@ -22,6 +28,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules import module as module_globals
+
+from .triton import gelu as triton_gelu
+
+fused_gelu_backward = True
+"""``GeluMlp``'s backward takes GELU, its gradient and fc1's bias gradient from one kernel
+(``triton/gelu.py``) where it can. False: Inductor's kernels, the bias gradient a second pass
+over fc1's output gradient (``scripts/profile_step.py``'s ``+inductor_gelu``)."""
 
 
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
@@ -79,6 +92,7 @@ class GeluMlp(torch.autograd.Function):
         out = F.linear(F.gelu(hidden), w2, b2)  # (..., C)
         ctx.save_for_backward(x, hidden, w1, w2)
         ctx.has_bias = (b1 is not None, b2 is not None)
+        ctx.fused_gelu = fused_gelu_backward and torch.compiler.is_compiling()  # our kernel: compiled only
         return out
 
     @staticmethod
@@ -89,16 +103,22 @@ class GeluMlp(torch.autograd.Function):
             d_out2 = d_out.reshape(-1, d_out.shape[-1])  # (M, C)
             hidden2 = hidden.reshape(-1, hidden.shape[-1])  # (M, Hid)
             d_x = d_w1 = d_b1 = d_w2 = d_b2 = None
-            if need_w2:
-                d_w2 = d_out2.t().mm(F.gelu(hidden2))  # (C, Hid), GELU recomputed
             if need_b2 and ctx.has_bias[1]:
                 d_b2 = d_out2.sum(0)
-            d_hidden = torch.ops.aten.gelu_backward(d_out.matmul(w2), hidden)  # (..., Hid)
-            d_hidden2 = d_hidden.reshape(-1, d_hidden.shape[-1])
+            d_act = d_out.matmul(w2)  # (..., Hid): GELU's output gradient
+            if ctx.fused_gelu and need_w2 and need_b1 and ctx.has_bias[0] and triton_gelu.supports(hidden):
+                # one kernel: GELU recomputed, its gradient, and fc1's bias gradient (its column sums)
+                act, d_hidden, d_b1 = triton_gelu.gelu_backward_bias_op(d_act, hidden)
+                d_w2 = d_out2.t().mm(act.reshape(-1, act.shape[-1]))  # (C, Hid)
+            else:
+                if need_w2:
+                    d_w2 = d_out2.t().mm(F.gelu(hidden2))  # (C, Hid), GELU recomputed
+                d_hidden = torch.ops.aten.gelu_backward(d_act, hidden)  # (..., Hid)
+                if need_b1 and ctx.has_bias[0]:
+                    d_b1 = d_hidden.reshape(-1, d_hidden.shape[-1]).sum(0)
+            d_hidden2 = d_hidden.reshape(-1, d_hidden.shape[-1])  # (M, Hid)
             if need_w1:
                 d_w1 = d_hidden2.t().mm(x.reshape(-1, x.shape[-1]))  # (Hid, C_in)
-            if need_b1 and ctx.has_bias[0]:
-                d_b1 = d_hidden2.sum(0)
             if need_x:
                 d_x = d_hidden.matmul(w1)  # (..., C_in)
         return d_x, d_w1, d_b1, d_w2, d_b2

@@ -1,0 +1,148 @@
+"""Exact GELU's backward, its recomputed output and the bias gradient before it, in one pass.
+
+``ops/mlp.GeluMlp`` saves fc1's output ``h`` (N, F) and recomputes GELU in backward. From ``h``
+and the gradient of GELU's output ``d_act`` its backward needs
+
+    act = gelu(h)                  (fc2's weight gradient: d_out^T @ act)
+    dh  = d_act * gelu'(h)         (fc1's output gradient)
+    db1 = dh.sum(0)                (fc1's bias gradient)
+
+Inductor computes ``act`` and ``dh`` in one kernel and ``db1`` in a second that reads ``dh`` back
+from memory. Here one kernel writes ``act`` and ``dh`` and keeps each program's column sums of
+``dh`` (as stored, in fp32) in a row of partials; a small second kernel adds those rows up, in a
+fixed order (the result does not depend on timing).
+
+The formulas are the ones Inductor and ATen use for the exact (erf) GELU, in fp32:
+``gelu(h) = h * 0.5 * (1 + erf(h / sqrt2))``, ``gelu'(h) = cdf + h * pdf`` with
+``cdf = 0.5 * (1 + erf(h / sqrt2))`` and ``pdf = exp(-h^2 / 2) / sqrt(2 pi)``.
+
+Chain: kernels -> ``gelu_backward_bias`` (launcher) -> custom op ``hiera_autopatch::gelu_backward_bias``
+(opaque to torch.compile, captured by CUDA graphs) -> ``ops/mlp.GeluMlp.backward``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+
+from ._runtime import HAS_TRITON, tl, triton
+from ._runtime import interpreting as _interpreting
+from ._runtime import on_device as _on_device
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SQRT1_2 = math.sqrt(0.5)
+_BETA = 0.5 * math.sqrt(0.5) * 2 / math.sqrt(math.pi)  # 1 / sqrt(2 pi): pdf = _BETA * exp(-h^2 / 2)
+
+# Launch shape: tiles of TILE_ELEMENTS (rows x up to 256 columns); a program walks enough row tiles
+# that at most MAX_PARTS rows of partial sums are left for the second kernel.
+TILE_ELEMENTS = 4096
+MAX_PARTS = 128
+NUM_WARPS = 4
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gelu_bwd_bias_kernel(
+        DACT, H, ACT, DH, PART, n_rows, rows_per_program,
+        F: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+        SQRT1_2: tl.constexpr, BETA: tl.constexpr,
+    ):
+        # Rows [pid_r * rows_per_program, ...) x columns [pid_c * BLOCK_C, ...) of d_act, h, act,
+        # dh: (n_rows, F), contiguous. PART (row programs, F) fp32: this program's column sums of dh.
+        pid_r = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # (BLOCK_C,)
+        c_ok = cols < F
+        total = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)  # per row slot, reduced once at the end
+        first = pid_r * rows_per_program
+        end = tl.minimum(first + rows_per_program, n_rows)
+        for r0 in range(first, end, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
+            mask = (rows < end)[:, None] & c_ok[None, :]
+            offs = rows.to(tl.int64)[:, None] * F + cols[None, :]  # (BLOCK_R, BLOCK_C)
+            h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+            d_act = tl.load(DACT + offs, mask=mask, other=0.0).to(tl.float32)
+            erf = tl.math.erf(h * SQRT1_2)
+            act = h * 0.5 * (1.0 + erf)
+            cdf = 0.5 * (1.0 + erf)
+            pdf = BETA * tl.exp(h * h * -0.5)
+            dh = (d_act * (cdf + h * pdf)).to(DH.dtype.element_ty)
+            tl.store(ACT + offs, act.to(ACT.dtype.element_ty), mask=mask)
+            tl.store(DH + offs, dh, mask=mask)
+            total += dh.to(tl.float32)  # masked slots: h = d_act = 0, so dh = 0
+        tl.store(PART + pid_r.to(tl.int64) * F + cols, tl.sum(total, 0), mask=c_ok)
+
+    @triton.jit
+    def _column_sums_kernel(PART, OUT, n_parts, F: tl.constexpr, BLOCK_P: tl.constexpr,
+                            BLOCK_W: tl.constexpr):
+        # PART (n_parts, F) fp32 -> OUT (F,): the column sums, rows added in order.
+        cols = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)  # (BLOCK_W,)
+        c_ok = cols < F
+        total = tl.zeros([BLOCK_W], tl.float32)
+        for p0 in range(0, n_parts, BLOCK_P):
+            parts = p0 + tl.arange(0, BLOCK_P)  # (BLOCK_P,)
+            mask = (parts < n_parts)[:, None] & c_ok[None, :]
+            total += tl.sum(tl.load(PART + parts[:, None] * F + cols[None, :], mask=mask, other=0.0), 0)
+        tl.store(OUT + cols, total.to(OUT.dtype.element_ty), mask=c_ok)
+
+
+def supports(h: torch.Tensor) -> bool:
+    """Our kernel can take this fc1 output: on CUDA (or under the Triton interpreter), a float dtype."""
+    return HAS_TRITON and (h.is_cuda or _interpreting()) and h.dtype in _SUPPORTED_DTYPES and h.numel() > 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def tile(width: int) -> Tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) for rows of ``width``: up to 256 columns, 128 where that divides the
+    width and 256 does not (384: three full tiles, not two with one half empty)."""
+    block_c = min(256, _next_pow2(width))
+    if width % block_c and width % 128 == 0:
+        block_c = 128
+    return max(1, TILE_ELEMENTS // block_c), block_c
+
+
+def gelu_backward_bias(d_act: torch.Tensor, h: torch.Tensor
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (gelu(h), d_act * gelu'(h), that gradient's sum over all but the last dim) for the exact
+    GELU; the first two in h's shape and dtype, the sum (F,) in h's dtype (autograd's ``sum(0)`` of
+    the stored gradient, accumulated in fp32)."""
+    width = h.shape[-1]
+    h2 = h.reshape(-1, width).contiguous()  # (N, F)
+    d_act2 = d_act.reshape(-1, width).to(h.dtype).contiguous()
+    n_rows = h2.shape[0]
+    block_r, block_c = tile(width)
+    row_steps = triton.cdiv(n_rows, block_r)
+    parts_max = MAX_PARTS if h.is_cuda else 3  # the interpreter: a few programs, several steps each
+    rows_per_program = triton.cdiv(row_steps, min(row_steps, parts_max)) * block_r
+    n_parts = triton.cdiv(n_rows, rows_per_program)
+    act = torch.empty_like(h2)
+    dh = torch.empty_like(h2)
+    part = torch.empty(n_parts, width, device=h.device, dtype=torch.float32)  # every row written
+    db = torch.empty(width, device=h.device, dtype=h.dtype)
+    with _on_device(h):
+        _gelu_bwd_bias_kernel[(n_parts, triton.cdiv(width, block_c))](
+            d_act2, h2, act, dh, part, n_rows, rows_per_program,
+            F=width, BLOCK_R=block_r, BLOCK_C=block_c, SQRT1_2=_SQRT1_2, BETA=_BETA,
+            num_warps=NUM_WARPS,
+        )
+        _column_sums_kernel[(triton.cdiv(width, 32),)](part, db, n_parts, F=width, BLOCK_P=64, BLOCK_W=32,
+                                                        num_warps=4)
+    return act.view(h.shape), dh.view(h.shape), db
+
+
+@torch.library.custom_op("hiera_autopatch::gelu_backward_bias", mutates_args=())
+def gelu_backward_bias_op(d_act: torch.Tensor, h: torch.Tensor
+                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``gelu_backward_bias`` as a custom op: one opaque node for torch.compile and CUDA graphs."""
+    return gelu_backward_bias(d_act, h)
+
+
+@gelu_backward_bias_op.register_fake
+def _gelu_backward_bias_shapes(d_act, h):
+    act = torch.empty_like(h, memory_format=torch.contiguous_format)
+    return act, torch.empty_like(act), h.new_empty(h.shape[-1:])

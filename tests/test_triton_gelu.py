@@ -1,0 +1,146 @@
+"""GELU backward with fc1's bias gradient (``ops/triton/gelu.py``) and ``ops/mlp.GeluMlp`` using it.
+
+CPU: the kernels in Triton's interpreter (set before the kernel module is imported when no GPU is
+present). GPU: Hiera-B's MLP widths and row counts, bf16 and fp32, skipped without CUDA.
+
+Each check gives ATen (``gelu``, ``gelu_backward``, ``sum``) and the kernel the same fc1 output and
+upstream gradient and compares GELU's output, its input gradient and the bias gradient against an
+fp64 reference with per-dtype tolerances (``test_triton_layer_norm.assert_close``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+_HAS_CUDA = torch.cuda.is_available()
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+tgelu = importlib.import_module("hiera_autopatch.ops.triton.gelu")
+from test_triton_layer_norm import assert_close  # noqa: E402
+
+_INTERPRETED = tgelu.HAS_TRITON and type(tgelu._gelu_bwd_bias_kernel).__name__ == "InterpretedFunction"
+cpu_only = pytest.mark.skipif(not _INTERPRETED, reason="CPU tests need the Triton interpreter")
+gpu_only = pytest.mark.skipif(not (_HAS_CUDA and tgelu.HAS_TRITON and not _INTERPRETED),
+                              reason="needs CUDA and compiled (not interpreted) Triton")
+
+
+def check(rows, width, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(rows, width, generator=g) * 2).to(device, dtype)  # fc1's output
+    d_act = torch.randn(rows, width, generator=g).to(device, dtype)  # GELU's output gradient
+    act, dh, db = tgelu.gelu_backward_bias(d_act, h)
+    assert act.dtype == dh.dtype == db.dtype == dtype
+    assert act.shape == dh.shape == h.shape and db.shape == (width,)
+    h64, d_act64 = h.double(), d_act.double()
+    assert_close("act", act, F.gelu(h64), dtype)
+    assert_close("ATen act", F.gelu(h), F.gelu(h64), dtype)  # the bound is fair
+    assert_close("dh", dh, torch.ops.aten.gelu_backward(d_act64, h64), dtype)
+    assert_close("ATen dh", torch.ops.aten.gelu_backward(d_act, h), torch.ops.aten.gelu_backward(d_act64, h64), dtype)
+    # the bias gradient is autograd's sum of the stored dh: against its fp64 sum
+    assert_close("db", db, dh.double().sum(0), dtype, aten=dh.sum(0))
+
+
+@cpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("rows,width", [(37, 96), (130, 384), (300, 40), (1, 600), (70, 512)])
+def test_cpu_kernel_matches_aten(rows, width, dtype):
+    """Partial last row tiles, programs with several tiles, 128-column tiles (384), a width under a
+    tile (40) and one that leaves a partial column tile (600)."""
+    check(rows, width, dtype, "cpu")
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rows,width", [(128 * 1216, 384), (128 * 304, 768), (128 * 76, 1536),
+                                        (128 * 19, 3072), (128 * 196, 2048), (3, 56)])
+def test_gpu_kernel_matches_aten(rows, width, dtype):
+    """Hiera-B MAE's MLPs at batch 128 (stages 1-4 at mask 0.6, decoder) and a tiny one."""
+    check(rows, width, dtype, "cuda")
+
+
+def test_tiles_cover_hiera_widths():
+    t = tgelu.TILE_ELEMENTS
+    assert tgelu.tile(384) == (t // 128, 128)  # 3 full column tiles, not 2 with one half empty
+    assert tgelu.tile(2048) == (t // 256, 256)
+    assert tgelu.tile(40) == (t // 64, 64)
+    assert not tgelu.supports(torch.zeros(0, 8))
+    assert not tgelu.supports(torch.ones(2, 8, dtype=torch.int32))
+
+
+@pytest.fixture
+def gelu_calls(monkeypatch):
+    """``mlp.fused_gelu_backward`` on; the list records each kernel call's fc1-output shape."""
+    from hiera_autopatch.ops import mlp
+
+    monkeypatch.setattr(mlp, "fused_gelu_backward", True)
+    calls = []
+    original = tgelu.gelu_backward_bias
+
+    def counted(d_act, h):
+        calls.append(tuple(h.shape))
+        return original(d_act, h)
+
+    monkeypatch.setattr(tgelu, "gelu_backward_bias", counted)
+    yield calls
+    torch._dynamo.reset()
+
+
+@cpu_only
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_cpu_gelu_mlp_gradients_match_plain_autograd(gelu_calls, bias):
+    """timm's Mlp shape ``fc2(gelu(fc1(x)))`` through ``GeluMlp`` under Inductor (CPU): output,
+    input grad and every weight grad as plain eager autograd's; the kernel only with a bias."""
+    from hiera_autopatch.ops import mlp
+
+    torch.manual_seed(0)
+    fc1, fc2 = torch.nn.Linear(24, 96, bias=bias), torch.nn.Linear(96, 24, bias=bias)
+    x = torch.randn(3, 10, 24)
+    upstream = torch.randn(3, 10, 24)
+
+    def fused(x):
+        return mlp.GeluMlp.apply(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+
+    results = []
+    for fn in (lambda x: fc2(F.gelu(fc1(x))), torch.compile(fused, fullgraph=True)):
+        params = [x.clone().requires_grad_(), *fc1.parameters(), *fc2.parameters()]
+        for p in params[1:]:
+            p.grad = None
+        out = fn(params[0])
+        out.backward(upstream)
+        results.append([out.detach()] + [p.grad.clone() for p in params])
+    assert gelu_calls == ([(3, 10, 96)] if bias else [])
+    for i, (actual, expected) in enumerate(zip(results[1], results[0])):
+        assert_close(f"tensor {i}", actual, expected, torch.float32)
+
+
+@cpu_only
+def test_cpu_mae_with_fused_gelu_backward_matches_fair(gelu_calls):
+    """FAIR's MAE (tiny) compiled by Inductor: every block MLP's backward through the kernel, and
+    every output and gradient matches FAIR's eager run."""
+    pytest.importorskip("hiera")
+    import torch._inductor.config as inductor_config
+
+    import hiera_autopatch
+    from equivalence import assert_equivalent, fair_model, input_for, run_step
+
+    torch.manual_seed(0)
+    model = fair_model("mae", "tiny", stages=(1, 1, 1, 1))
+    x = input_for(model)
+    with hiera_autopatch.disabled():
+        fair = run_step(model, x, lambda m, x: m(x))
+    hiera_autopatch.enable()
+    try:
+        torch._dynamo.reset()
+        with inductor_config.patch(fallback_random=True):
+            compiled = run_step(model, x, torch.compile(lambda m, x: m(x), fullgraph=True))
+    finally:
+        hiera_autopatch.disable()
+    assert_equivalent(fair, compiled, 1e-5, 1e-4)
+    blocks = sum(1 for m in model.modules() if type(m).__name__ == "HieraBlock")
+    assert len(gelu_calls) == blocks
