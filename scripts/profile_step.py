@@ -29,8 +29,8 @@ KERNEL_KINDS = [
     ("layer_norm", r"layer_norm|layernorm|LayerNorm"),
     ("index/gather/scatter", r"index|gather|scatter|nonzero|sort|radix"),
     ("copy/layout", r"copy|Copy|transpose|permute|cat_|CatArray"),
-    ("reduce", r"reduce|Reduce|sum_|max_|amax"),
-    ("triton (fused)", r"^triton_"),
+    ("reduce", r"reduce|Reduce|sum_|max_|amax|column_sums"),
+    ("triton (fused)", r"^triton_|^_gelu_"),
     ("elementwise", r"elementwise|vectorized|unrolled|Elementwise"),
 ]
 
@@ -60,7 +60,7 @@ INDUCTOR_SWITCHES = {
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
             "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", "fused_ln", "inductor_ln",
-            "ln_variant", "no_dx_sum", *INDUCTOR_SWITCHES)
+            "ln_variant", "no_dx_sum", "inductor_gelu", "gelu_variant", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -89,6 +89,9 @@ def parse_mode(mode: str) -> dict:
     on / off; neither: the shipped default), ln_variant (that backward launched as ``--ln-variant``
     says; without it: the shipped launch), no_dx_sum (the bias gradients that sum a block
     LayerNorm's input gradient as Inductor's reductions, not from that kernel: ops/layer_norm.dx_sums),
+    inductor_gelu (the MLP's GELU backward and fc1's bias gradient in Inductor's kernels, not ours:
+    ops/mlp.fused_gelu_backward), gelu_variant (our GELU backward launched as ``--gelu-variant``
+    says),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
     """
@@ -318,6 +321,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ln-variant", help="the one-pass LayerNorm backward's launch in modes with +ln_variant, e.g. "
                         "4x2048x2x8: programs per SM x tile elements x sums kind [x warps] "
                         "(scripts/bench_layer_norm.py's variants); other modes: ops/triton/layer_norm.py's")
+    parser.add_argument("--gelu-variant", help="our GELU backward's launch in modes with +gelu_variant, e.g. 4096x128x4: "
+                        "tile elements x most partial-sum rows x warps (scripts/bench_gelu.py's variants)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
@@ -330,9 +335,11 @@ def main(argv=None) -> int:
     from hiera_autopatch.ops import attention as attention_ops
     from hiera_autopatch.ops import fusion_head as fusion_head_ops
     from hiera_autopatch.ops import loss as loss_ops
+    from hiera_autopatch.ops import mlp as mlp_ops
     from hiera_autopatch.ops import layer_norm as layer_norm_ops
     from hiera_autopatch.ops import patch_embed as patch_embed_ops
     from hiera_autopatch.ops import step_graph
+    from hiera_autopatch.ops.triton import gelu as triton_gelu
     from hiera_autopatch.ops.triton import layer_norm as triton_layer_norm
     from hiera_autopatch.ops.triton import window_attention
 
@@ -346,9 +353,18 @@ def main(argv=None) -> int:
         ln_variant_launch = parse_variant(args.ln_variant)
     if any("ln_variant" in parse_mode(mode)["switches"] for mode in args.modes.split(",")) and not args.ln_variant:
         parser.error("+ln_variant needs --ln-variant")
+    shipped_gelu_launch = (triton_gelu.TILE_ELEMENTS, triton_gelu.MAX_PARTS, triton_gelu.NUM_WARPS)
+    gelu_variant_launch = shipped_gelu_launch
+    if args.gelu_variant:
+        from bench_gelu import parse_variant as parse_gelu_variant
+
+        gelu_variant_launch = parse_gelu_variant(args.gelu_variant)
+    if any("gelu_variant" in parse_mode(mode)["switches"] for mode in args.modes.split(",")) and not args.gelu_variant:
+        parser.error("+gelu_variant needs --gelu-variant")
     shipped_blas = torch.backends.cuda.preferred_blas_library()
     shipped_fused_ln = layer_norm_ops.fused_backward
     shipped_dx_sums = layer_norm_ops.dx_sums
+    shipped_fused_gelu = mlp_ops.fused_gelu_backward
     tuning = tuned_blocks(args.attention_tuning) if args.attention_tuning else {}
     model, x = build(args)
     results = {
@@ -356,6 +372,7 @@ def main(argv=None) -> int:
         "model": args.model, "batch": args.batch, "dtype": "bf16 params", "step": "forward+backward",
         "steps": args.steps,
         "ln_variant": args.ln_variant or "shipped",
+        "gelu_variant": args.gelu_variant or "shipped",
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
         "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
         "modes": {},
@@ -371,6 +388,9 @@ def main(argv=None) -> int:
         fusion_head_ops.as_matmul = "conv_heads" not in spec["switches"]
         attention_ops.fused_bias_grad = "kernel_bias_grad" in spec["switches"]
         layer_norm_ops.dx_sums = shipped_dx_sums and "no_dx_sum" not in spec["switches"]
+        mlp_ops.fused_gelu_backward = shipped_fused_gelu and "inductor_gelu" not in spec["switches"]
+        (triton_gelu.TILE_ELEMENTS, triton_gelu.MAX_PARTS,
+         triton_gelu.NUM_WARPS) = gelu_variant_launch if "gelu_variant" in spec["switches"] else shipped_gelu_launch
         layer_norm_ops.fused_backward = ("fused_ln" in spec["switches"]
                                          or (shipped_fused_ln and "inductor_ln" not in spec["switches"]))
         (triton_layer_norm.PROGRAMS_PER_SM, triton_layer_norm.TILE_ELEMENTS, triton_layer_norm.ACC_2D,

@@ -86,6 +86,8 @@ SWITCH_LABELS = {
     "fused_ln": "block LayerNorm backward in one pass with the residual gradient",
     "inductor_ln": "block LayerNorm backward in Inductor's kernels",
     "ln_variant": "block LayerNorm backward at the --ln-variant launch",
+    "inductor_gelu": "MLP GELU backward and fc1 bias gradients in Inductor's kernels",
+    "gelu_variant": "GELU backward at the --gelu-variant launch",
     "no_dx_sum": "bias gradients that sum a block LayerNorm's input gradient as Inductor's reductions",
     "coop": "Inductor cooperative reductions",
     "aggressive": "Inductor aggressive fusion",
