@@ -75,6 +75,28 @@ def test_batch_split_past_fused_limit(monkeypatch):
     torch.testing.assert_close(split[1], whole[1])
 
 
+def test_cpu_fp16_runs_fairs_math_backend_with_tiny_gradients(monkeypatch):
+    """fp16 on CPU pins SDPA's math backend, FAIR's: with upstream gradients below fp16's normal
+    range the CPU flash kernel's q/k grads are ~3x further from fp64 (see ``_pinned_backend``);
+    ours must match FAIR's 5-D call exactly and the flash kernel must be the worse one."""
+    from torch.nn.attention import SDPBackend
+
+    torch.manual_seed(0)
+    qkv64 = torch.randn(2, 64 * 4, 3 * 8, dtype=torch.float64)
+    upstream64 = torch.randn(2, 64 * 4 // 4, 8, dtype=torch.float64) * 1e-5
+    qkv, upstream = qkv64.half(), upstream64.half()
+    expected = grads_of(lambda t: fair_attention(t, 4, 1, 4, "max"), qkv, upstream)
+    got = grads_of(lambda t: attention.mask_unit_attention(t, 4, 1, 4, "max"), qkv, upstream)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    monkeypatch.setattr(attention, "_pinned_backend", lambda q: SDPBackend.FLASH_ATTENTION)
+    flash = grads_of(lambda t: attention.mask_unit_attention(t, 4, 1, 4, "max"), qkv, upstream)
+    exact = grads_of(lambda t: fair_attention(t, 4, 1, 4, "max"), qkv64, upstream64)
+
+    def grad_error(result):
+        return ((result[1].double() - exact[1]).norm() / exact[1].norm()).item()
+    assert grad_error(flash) > 1.5 * grad_error(got), (grad_error(flash), grad_error(got))
+
+
 def test_true_indices_and_gathers_match_boolean_indexing():
     torch.manual_seed(0)
     mask = torch.zeros(4, 10, dtype=torch.bool)

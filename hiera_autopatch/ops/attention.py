@@ -131,25 +131,40 @@ sdpa_backend = None
 """None: PyTorch picks SDPA's kernel. ``flash``, ``efficient`` or ``cudnn``: pin it (experiments)."""
 
 
-def _pinned_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def _pinned_backend(q: torch.Tensor):
+    """The SDPA backend to pin for this call, or None to let PyTorch pick.
 
-    backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-               "cudnn": SDPBackend.CUDNN_ATTENTION}[sdpa_backend]
-    with sdpa_kernel([backend]):
+    fp16 on CPU gets the math backend, the one FAIR's 5-D call gets: PyTorch's CPU flash kernel
+    loses fp16 gradients that fall below fp16's normal range (~6e-5, common in an unscaled MAE loss's
+    backward): relative q/k grad error 2.8e-2 vs the math backend's 9.5e-3 on Hiera's window shapes
+    against fp64 (torch 2.14 CPU), which tripled a Hiera-B MAE step's error on early-block weights.
+    """
+    from torch.nn.attention import SDPBackend
+
+    if q.device.type == "cpu" and q.dtype == torch.float16:
+        return SDPBackend.MATH
+    if sdpa_backend is not None and q.is_cuda:
+        return {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION}[sdpa_backend]
+    return None
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    pinned = _pinned_backend(q)
+    if pinned is None:
+        return F.scaled_dot_product_attention(q, k, v)
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel([pinned]):
         return F.scaled_dot_product_attention(q, k, v)
 
 
 def sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` on (batch, heads, tokens, head_dim), split past the batch limit."""
-    if sdpa_backend is not None and q.is_cuda and q.shape[0] <= MAX_FUSED_BATCH:
-        return _pinned_sdpa(q, k, v)
     if q.shape[0] <= MAX_FUSED_BATCH:
-        return F.scaled_dot_product_attention(q, k, v)
-    outs = [
-        F.scaled_dot_product_attention(qc, kc, vc)
-        for qc, kc, vc in zip(q.split(MAX_FUSED_BATCH), k.split(MAX_FUSED_BATCH), v.split(MAX_FUSED_BATCH))
-    ]
+        return _sdpa(q, k, v)
+    outs = [_sdpa(qc, kc, vc) for qc, kc, vc in
+            zip(q.split(MAX_FUSED_BATCH), k.split(MAX_FUSED_BATCH), v.split(MAX_FUSED_BATCH))]
     return torch.cat(outs)
 
 
