@@ -1,4 +1,5 @@
-"""GPU timing shared by the kernel scripts (bench_attention_kernels.py, tune_attention.py)."""
+"""GPU timing and result bookkeeping shared by the kernel scripts (bench_attention_kernels.py,
+tune_attention.py, bench_layer_norm.py, bench_gelu.py)."""
 
 
 def graph_replay_ms(fn, replays: int = 20, rounds: int = 5, warmup: int = 3) -> float:
@@ -56,3 +57,30 @@ def save_json(path, results: dict) -> None:
 
         with open(path, "w") as fh:
             json.dump(results, fh, indent=1)
+
+
+def record_best(entry: dict, per_step: int) -> None:
+    """One shape's fastest correct ``ours_<variant>_ms`` against ``inductor_ms``: its name, the ms it
+    saves a step over ``per_step`` calls, and both sides' TB/s over ``min_bytes``."""
+    best = min((v, k) for k, v in entry.items() if k.startswith("ours_") and k.endswith("_ms") and v)
+    entry["best"] = best[1]
+    entry["saved_ms_per_step"] = (entry["inductor_ms"] - best[0]) * per_step
+    entry["best_tb_per_s"] = entry["min_bytes"] / best[0] / 1e9
+    entry["inductor_tb_per_s"] = entry["min_bytes"] / entry["inductor_ms"] / 1e9
+
+
+def record_step_totals(results: dict, variants, path) -> None:
+    """A step's time per variant (every shape's time x its calls; only variants that ran correctly on
+    every shape) and the best variant, printed and saved."""
+    import json
+
+    shapes = list(results["shapes"].values())
+    totals = {"inductor": sum(e["inductor_ms"] * e["per_step"] for e in shapes)}
+    for variant in variants:
+        times = [e[f"ours_{variant}_ms"] for e in shapes]
+        if all(times):
+            totals[variant] = sum(t * e["per_step"] for t, e in zip(times, shapes))
+    results["ms_per_step"] = totals
+    results["best_variant"] = min((v for v in totals if v != "inductor"), key=totals.get, default=None)
+    print(json.dumps({"ms_per_step": totals, "best_variant": results["best_variant"]}))
+    save_json(path, results)

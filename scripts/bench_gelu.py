@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import graph_replay_ms, results_header, save_json  # noqa: E402
+from _timing import graph_replay_ms, record_best, record_step_totals, results_header, save_json  # noqa: E402
 
 # name -> (tokens per sample: 19 kept mask units at ratio 0.6; 120 masked for the decoder's last
 # MLP, which runs at the masked rows only; hidden width, MLPs a step)
@@ -83,24 +83,11 @@ def main(argv=None) -> int:
                 continue
             entry[f"ours_{variant}_ms"] = graph_replay_ms(lambda: tgelu.gelu_backward_bias(d_act, h))
         tgelu.TILE_ELEMENTS, tgelu.MAX_PARTS, tgelu.NUM_WARPS = shipped
-        best = min((v, k) for k, v in entry.items() if k.startswith("ours_") and k.endswith("_ms") and v)
-        entry["best"] = best[1]
-        entry["saved_ms_per_step"] = (entry["inductor_ms"] - best[0]) * per_step
-        entry["best_tb_per_s"] = entry["min_bytes"] / best[0] / 1e9
-        entry["inductor_tb_per_s"] = entry["min_bytes"] / entry["inductor_ms"] / 1e9
+        record_best(entry, per_step)
         results["shapes"][name] = entry
         print(name, json.dumps(entry), flush=True)
         save_json(args.json, results)
-    # a step's time per variant (shapes x their calls), and the best
-    totals = {"inductor": sum(e["inductor_ms"] * e["per_step"] for e in results["shapes"].values())}
-    for variant in args.variants.split(","):
-        times = [e[f"ours_{variant}_ms"] for e in results["shapes"].values()]
-        if all(times):
-            totals[variant] = sum(t * e["per_step"] for t, e in zip(times, results["shapes"].values()))
-    results["ms_per_step"] = totals
-    results["best_variant"] = min((v for v in totals if v != "inductor"), key=totals.get, default=None)
-    print(json.dumps({"ms_per_step": totals, "best_variant": results["best_variant"]}))
-    save_json(args.json, results)
+    record_step_totals(results, args.variants.split(","), args.json)
     return 0
 
 

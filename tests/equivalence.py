@@ -226,3 +226,24 @@ def low_precision_check_seeds(make_model, make_input, call, seeds=(0, 1, 2), **k
     assert sum_patched <= 1.25 * sum_unpatched, (
         f"mean relative error over all tensors and seeds {list(seeds)}: patched {sum_patched:.4g} vs unpatched {sum_unpatched:.4g}"
     )
+
+
+def fair_vs_compiled_tiny_mae(options=None):
+    """FAIR's MAE (tiny, one block a stage): its eager step unpatched and the patched step compiled
+    by Inductor (``fullgraph``, with ``options``; ``fallback_random``: the mask from eager's RNG).
+    -> (model, fair, compiled)."""
+    import torch._inductor.config as inductor_config
+
+    torch.manual_seed(0)
+    model = fair_model("mae", "tiny", stages=(1, 1, 1, 1))
+    x = input_for(model)
+    with hiera_autopatch.disabled():
+        fair = run_step(model, x, lambda m, x: m(x))
+    hiera_autopatch.enable()
+    try:
+        torch._dynamo.reset()
+        with inductor_config.patch(fallback_random=True):
+            compiled = run_step(model, x, torch.compile(lambda m, x: m(x), fullgraph=True, options=options))
+    finally:
+        hiera_autopatch.disable()
+    return model, fair, compiled

@@ -124,23 +124,9 @@ def test_cpu_mae_with_fused_gelu_backward_matches_fair(gelu_calls):
     """FAIR's MAE (tiny) compiled by Inductor: every block MLP's backward through the kernel, and
     every output and gradient matches FAIR's eager run."""
     pytest.importorskip("hiera")
-    import torch._inductor.config as inductor_config
+    from equivalence import assert_equivalent, fair_vs_compiled_tiny_mae
 
-    import hiera_autopatch
-    from equivalence import assert_equivalent, fair_model, input_for, run_step
-
-    torch.manual_seed(0)
-    model = fair_model("mae", "tiny", stages=(1, 1, 1, 1))
-    x = input_for(model)
-    with hiera_autopatch.disabled():
-        fair = run_step(model, x, lambda m, x: m(x))
-    hiera_autopatch.enable()
-    try:
-        torch._dynamo.reset()
-        with inductor_config.patch(fallback_random=True):
-            compiled = run_step(model, x, torch.compile(lambda m, x: m(x), fullgraph=True))
-    finally:
-        hiera_autopatch.disable()
+    model, fair, compiled = fair_vs_compiled_tiny_mae()
     assert_equivalent(fair, compiled, 1e-5, 1e-4)
     blocks = sum(1 for m in model.modules() if type(m).__name__ == "HieraBlock")
     assert len(gelu_calls) == blocks
