@@ -7,6 +7,7 @@ can format a JSON file on a machine without torch.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -58,6 +59,33 @@ def _git_commit() -> Optional[str]:
         return None
 
 
+def _git_package_modified() -> Optional[bool]:
+    """Whether the package's files differ from git's HEAD (a working tree copied onto the GPU
+    machine reports main's last landed commit as HEAD: its code is then not that commit's)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "hiera_autopatch"],
+                             capture_output=True, text=True, timeout=5)
+        return bool(out.stdout.strip()) if out.returncode == 0 else None
+    except Exception:
+        return None
+
+
+def source_digest(package_dir: Optional[str] = None) -> str:
+    """16 hex digits of sha256 over the package's ``.py`` files (relative paths and bytes, in
+    sorted order): names the code that ran, with or without git."""
+    package_dir = package_dir or os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(package_dir):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(f for f in filenames if f.endswith(".py")):
+            path = os.path.join(dirpath, name)
+            digest.update(os.path.relpath(path, package_dir).replace(os.sep, "/").encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(f.read() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def environment(device_name: str, argv: Optional[List[str]] = None) -> dict:
     """Everything a reader needs to reproduce a run, apart from the cells themselves."""
     import torch
@@ -67,6 +95,8 @@ def environment(device_name: str, argv: Optional[List[str]] = None) -> dict:
     env = {
         "hiera_autopatch": hiera_autopatch.__version__,
         "git_commit": _git_commit(),
+        "git_package_modified": _git_package_modified(),
+        "source_digest": source_digest(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,

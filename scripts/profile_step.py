@@ -332,6 +332,7 @@ def main(argv=None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     import hiera_autopatch
+    from hiera_autopatch import _bench_report
     from hiera_autopatch.ops import attention as attention_ops
     from hiera_autopatch.ops import fusion_head as fusion_head_ops
     from hiera_autopatch.ops import loss as loss_ops
@@ -375,6 +376,7 @@ def main(argv=None) -> int:
         "gelu_variant": args.gelu_variant or "shipped",
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
         "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+        "source_digest": _bench_report.source_digest(),  # the package code that ran (git's HEAD may not be it)
         "modes": {},
     }
     def configure(mode):

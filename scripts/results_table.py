@@ -203,7 +203,10 @@ def _env_line(env: dict) -> str:
         if env.get(key):
             parts.append(f"{name} {env[key]}")
     if env.get("git_commit"):
-        parts.append(f"hiera_autopatch {env.get('hiera_autopatch')} @ {env['git_commit']}")
+        modified = " (package modified)" if env.get("git_package_modified") else ""
+        parts.append(f"hiera_autopatch {env.get('hiera_autopatch')} @ {env['git_commit']}{modified}")
+    if env.get("source_digest"):
+        parts.append(f"source {env['source_digest']}")
     return ", ".join(parts)
 
 

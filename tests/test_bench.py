@@ -218,8 +218,10 @@ def test_json_schema(runs):
     record = _json(runs, "tiny")
     assert record["schema"] == "hiera_autopatch.bench/1"
     env = record["environment"]
-    for key in ("torch", "triton", "cudnn", "device", "command", "hiera_autopatch", "python"):
+    for key in ("torch", "triton", "cudnn", "device", "command", "hiera_autopatch", "python",
+                "git_commit", "git_package_modified", "source_digest"):
         assert key in env
+    assert len(env["source_digest"]) == 16
     assert env["command"].startswith("python -m hiera_autopatch bench --device cpu")
     (cell,) = record["results"]
     config = cell["config"]
@@ -239,6 +241,24 @@ def test_json_schema(runs):
         cell["sides"]["unpatched"]["pipelined_ms"] / cell["sides"]["patched"]["pipelined_ms"])
     for key in ("loss_abs_diff", "loss_rel_diff", "grad_max_abs_diff", "grad_max_rel_norm_diff", "limits", "ok"):
         assert key in cell["numerics"]
+
+
+def test_source_digest_names_the_package_code(tmp_path):
+    """The digest follows the package's .py files (contents and names), nothing else."""
+    import shutil
+
+    from hiera_autopatch import _bench_report
+
+    package = tmp_path / "hiera_autopatch"
+    shutil.copytree(os.path.dirname(_bench_report.__file__), package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    first = _bench_report.source_digest(str(package))
+    assert first == _bench_report.source_digest() and len(first) == 16
+    (package / "notes.txt").write_text("not code")
+    assert _bench_report.source_digest(str(package)) == first
+    with open(package / "ops" / "attention.py", "a") as f:
+        f.write("\n# changed\n")
+    assert _bench_report.source_digest(str(package)) != first
 
 
 def test_plot_is_a_png(runs):
