@@ -33,25 +33,21 @@ SHAPES = {
 }
 
 
-def parse_variant(variant: str):
-    """"8192x256x8" -> (tile elements, most partial-sum rows, warps)."""
-    tile, parts, warps = (int(v) for v in variant.split("x"))
-    return tile, parts, warps
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--variants", default="4096x128x4,8192x256x8,4096x256x4,8192x128x8,2048x128x4,2048x64x4,4096x64x4,4096x128x8",
-                        help="tile elements x most partial-sum rows x warps, comma list")
+                        help="tile elements x most partial-sum rows x warps, comma list (ops/triton/gelu.Launch)")
     args = parser.parse_args(argv)
 
     from hiera_autopatch.ops import step_graph
     from hiera_autopatch.ops.triton import gelu as tgelu
 
-    shipped = tgelu.TILE_ELEMENTS, tgelu.MAX_PARTS, tgelu.NUM_WARPS
+    shipped = tgelu.LAUNCH
+    for variant in args.variants.split(","):
+        tgelu.Launch.parse(variant)  # a typo fails here, before any timing
 
     torch.manual_seed(0)
     results = results_header(args.batch, "cuda")
@@ -74,7 +70,7 @@ def main(argv=None) -> int:
                  "min_bytes": 4 * rows * width * h.element_size()}
         entry["inductor_ms"] = graph_replay_ms(lambda: compiled(d_act, h))
         for variant in args.variants.split(","):
-            tgelu.TILE_ELEMENTS, tgelu.MAX_PARTS, tgelu.NUM_WARPS = parse_variant(variant)
+            tgelu.LAUNCH = tgelu.Launch.parse(variant)
             got = tgelu.gelu_backward_bias(d_act, h)
             errors = [float((g.float() - e.float()).norm() / e.float().norm()) for g, e in zip(got, expected)]
             entry[f"ours_{variant}_rel_err"] = errors
@@ -82,7 +78,7 @@ def main(argv=None) -> int:
                 entry[f"ours_{variant}_ms"] = None  # wrong: not timed
                 continue
             entry[f"ours_{variant}_ms"] = graph_replay_ms(lambda: tgelu.gelu_backward_bias(d_act, h))
-        tgelu.TILE_ELEMENTS, tgelu.MAX_PARTS, tgelu.NUM_WARPS = shipped
+        tgelu.LAUNCH = shipped
         record_best(entry, per_step)
         results["shapes"][name] = entry
         print(name, json.dumps(entry), flush=True)

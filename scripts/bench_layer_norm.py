@@ -31,44 +31,37 @@ SHAPES = {
 }
 
 
-def parse_variant(variant: str):
-    """"2x4096x2[x8]" -> (programs per SM, tile elements, 2-D accumulators?, warps or None); the
-    third part: 2 (sums per row slot, the default) or 1 (column sums each step); the fourth: warps
-    (default: the launcher's rule)."""
-    per_sm, tile, *rest = (int(v) for v in variant.split("x"))
-    acc = rest[0] if rest else 2
-    warps = rest[1] if len(rest) > 1 else None
-    return per_sm, tile, acc == 2, warps
-
-
-def variant_name(per_sm: int, tile: int, acc_2d: bool, warps=None) -> str:
-    return f"{per_sm}x{tile}x{2 if acc_2d else 1}" + (f"x{warps}" if warps else "")
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--variants", default="2x4096x2,1x4096x2,4x2048x2,8x2048x2,2x4096x2x8,4x2048x2x8,8x1024x2,2x4096x1",
+    parser.add_argument("--variants", default="2x4096x2,2x4096x2@2,2x4096x2@3,4x2048x2,4x2048x2@2,1x4096x2",
                         help="programs per SM x tile elements (rows a step x padded width) x 2 (sums per "
-                        "row slot) or 1 (column sums each step) [x warps], comma list")
+                        "row slot) or 1 (column sums each step) [x warps] [@ loop stages], comma list "
+                        "(ops/triton/layer_norm.Launch)")
+    parser.add_argument("--dx-sum", action="store_true",
+                        help="also the dx column sums (the step's folded bias gradients), checked too")
     args = parser.parse_args(argv)
 
     from hiera_autopatch.ops import step_graph
     from hiera_autopatch.ops.triton import layer_norm as tln
 
-    shipped = tln.PROGRAMS_PER_SM, tln.TILE_ELEMENTS, tln.ACC_2D, tln.NUM_WARPS
+    shipped = tln.LAUNCH
+    for variant in args.variants.split(","):
+        tln.Launch.parse(variant)  # a typo fails here, before any timing
 
     torch.manual_seed(0)
     results = results_header(args.batch, "cuda")
+    results["dx_sum"] = args.dx_sum
     results["inductor_options"] = {key: value for key, value in step_graph.default_options().items()
                                    if isinstance(value, (bool, int, float, str))}  # (not the graph pass)
 
     def inductor_backward(dy, x, mean, rstd, w, b, d_res):
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(dy, x, (x.shape[-1],), mean, rstd, w, b,
                                                                 [True, True, True])
-        return dx + d_res, dw, db
+        dx = (dx + d_res).to(x.dtype)
+        return (dx, dw, db, dx.sum(0)) if args.dx_sum else (dx, dw, db)
 
     for name in args.shapes.split(","):
         tokens, width, per_step = SHAPES[name]
@@ -85,18 +78,19 @@ def main(argv=None) -> int:
         entry = {"rows": rows, "width": width, "per_step": per_step,
                  "min_bytes": 4 * rows * width * x.element_size()}
         entry["inductor_ms"] = graph_replay_ms(lambda: compiled(dy, x, mean, rstd, w, b, d_res))
+        ours = lambda: tln.layer_norm_backward(dy, x, mean, rstd, w, d_res, dx_sum=args.dx_sum)  # noqa: E731
         for variant in args.variants.split(","):
-            tln.PROGRAMS_PER_SM, tln.TILE_ELEMENTS, tln.ACC_2D, tln.NUM_WARPS = parse_variant(variant)
-            got = tln.layer_norm_backward(dy, x, mean, rstd, w, d_res)
+            tln.LAUNCH = tln.Launch.parse(variant)
+            got = ours()
             errors = [float((g.float() - e.float()).norm() / e.float().norm()) for g, e in zip(got, expected)]
             entry[f"ours_{variant}_rel_err"] = errors
             if max(errors) > 2e-2:
                 entry[f"ours_{variant}_ms"] = None  # wrong: not timed
                 continue
-            entry[f"ours_{variant}_ms"] = graph_replay_ms(lambda: tln.layer_norm_backward(dy, x, mean, rstd, w, d_res))
+            entry[f"ours_{variant}_ms"] = graph_replay_ms(ours)
         record_best(entry, per_step)
-        tln.PROGRAMS_PER_SM, tln.TILE_ELEMENTS, tln.ACC_2D, tln.NUM_WARPS = shipped
-        entry["shipped"] = variant_name(*shipped)
+        tln.LAUNCH = shipped
+        entry["shipped"] = str(shipped)
         results["shapes"][name] = entry
         print(name, json.dumps(entry), flush=True)
         save_json(args.json, results)

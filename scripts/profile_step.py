@@ -319,7 +319,7 @@ def main(argv=None) -> int:
                              "(use on a mode without CUDA graphs, e.g. compile)")
     parser.add_argument("--attention-tuning", help="tune_attention.py JSON for the +tuned_attention switch")
     parser.add_argument("--ln-variant", help="the one-pass LayerNorm backward's launch in modes with +ln_variant, e.g. "
-                        "4x2048x2x8: programs per SM x tile elements x sums kind [x warps] "
+                        "2x4096x2@2: programs per SM x tile elements x sums kind [x warps] [@ loop stages] "
                         "(scripts/bench_layer_norm.py's variants); other modes: ops/triton/layer_norm.py's")
     parser.add_argument("--gelu-variant", help="our GELU backward's launch in modes with +gelu_variant, e.g. 4096x128x4: "
                         "tile elements x most partial-sum rows x warps (scripts/bench_gelu.py's variants)")
@@ -345,21 +345,14 @@ def main(argv=None) -> int:
     from hiera_autopatch.ops.triton import window_attention
 
     shipped_tuning = dict(window_attention.TUNED)
-    shipped_ln_launch = (triton_layer_norm.PROGRAMS_PER_SM, triton_layer_norm.TILE_ELEMENTS,
-                         triton_layer_norm.ACC_2D, triton_layer_norm.NUM_WARPS)
-    ln_variant_launch = shipped_ln_launch
-    if args.ln_variant:
-        from bench_layer_norm import parse_variant
-
-        ln_variant_launch = parse_variant(args.ln_variant)
+    shipped_ln_launch, shipped_gelu_launch = triton_layer_norm.LAUNCH, triton_gelu.LAUNCH
+    try:
+        ln_variant_launch = triton_layer_norm.Launch.parse(args.ln_variant) if args.ln_variant else shipped_ln_launch
+        gelu_variant_launch = triton_gelu.Launch.parse(args.gelu_variant) if args.gelu_variant else shipped_gelu_launch
+    except ValueError as exc:
+        parser.error(str(exc))
     if any("ln_variant" in parse_mode(mode)["switches"] for mode in args.modes.split(",")) and not args.ln_variant:
         parser.error("+ln_variant needs --ln-variant")
-    shipped_gelu_launch = (triton_gelu.TILE_ELEMENTS, triton_gelu.MAX_PARTS, triton_gelu.NUM_WARPS)
-    gelu_variant_launch = shipped_gelu_launch
-    if args.gelu_variant:
-        from bench_gelu import parse_variant as parse_gelu_variant
-
-        gelu_variant_launch = parse_gelu_variant(args.gelu_variant)
     if any("gelu_variant" in parse_mode(mode)["switches"] for mode in args.modes.split(",")) and not args.gelu_variant:
         parser.error("+gelu_variant needs --gelu-variant")
     shipped_blas = torch.backends.cuda.preferred_blas_library()
@@ -391,12 +384,10 @@ def main(argv=None) -> int:
         attention_ops.fused_bias_grad = "kernel_bias_grad" in spec["switches"]
         layer_norm_ops.dx_sums = shipped_dx_sums and "no_dx_sum" not in spec["switches"]
         mlp_ops.fused_gelu_backward = shipped_fused_gelu and "inductor_gelu" not in spec["switches"]
-        (triton_gelu.TILE_ELEMENTS, triton_gelu.MAX_PARTS,
-         triton_gelu.NUM_WARPS) = gelu_variant_launch if "gelu_variant" in spec["switches"] else shipped_gelu_launch
+        triton_gelu.LAUNCH = gelu_variant_launch if "gelu_variant" in spec["switches"] else shipped_gelu_launch
         layer_norm_ops.fused_backward = ("fused_ln" in spec["switches"]
                                          or (shipped_fused_ln and "inductor_ln" not in spec["switches"]))
-        (triton_layer_norm.PROGRAMS_PER_SM, triton_layer_norm.TILE_ELEMENTS, triton_layer_norm.ACC_2D,
-         triton_layer_norm.NUM_WARPS) = ln_variant_launch if "ln_variant" in spec["switches"] else shipped_ln_launch
+        triton_layer_norm.LAUNCH = ln_variant_launch if "ln_variant" in spec["switches"] else shipped_ln_launch
         # +cublaslt: ATen's matmuls (Inductor's extern mm/addmm too) through cuBLASLt's own heuristics
         torch.backends.cuda.preferred_blas_library("cublaslt" if "cublaslt" in spec["switches"] else shipped_blas)
         torch._dynamo.reset()  # each mode compiles afresh: no cache entry of another mode's options

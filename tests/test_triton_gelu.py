@@ -65,7 +65,7 @@ def test_gpu_kernel_matches_aten(rows, width, dtype):
 
 
 def test_tiles_cover_hiera_widths():
-    t = tgelu.TILE_ELEMENTS
+    t = tgelu.LAUNCH.tile_elements
     assert tgelu.tile(384) == (t // 128, 128)  # 3 full column tiles, not 2 with one half empty
     assert tgelu.tile(2048) == (t // 256, 256)
     assert tgelu.tile(40) == (t // 64, 64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import List, Tuple
 
 import torch
 
@@ -27,3 +28,16 @@ def interpreting() -> bool:
 def on_device(t: torch.Tensor):
     """Triton launches on the current CUDA device: make it the tensor's (multi-GPU, no DDP setup)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def launch_fields(text: str) -> Tuple[List[int], int]:
+    """A kernel launch's text form, ``AxBxC[@S]`` -> ([A, B, C], S), S = 1 without ``@``: the
+    ``x``-separated integers and the software-pipeline depth of the kernel's main loop."""
+    body, _, stages = text.partition("@")
+    try:
+        fields, depth = [int(v) for v in body.split("x")], int(stages or 1)
+    except ValueError:
+        raise ValueError(f"launch {text!r}: integers separated by 'x', optionally '@stages'") from None
+    if len(fields) < 2 or min(fields) < 1 or depth < 1:
+        raise ValueError(f"launch {text!r}: at least two positive integers, stages >= 1")
+    return fields, depth

@@ -22,12 +22,13 @@ Chain: kernels -> ``gelu_backward_bias`` (launcher) -> custom op ``hiera_autopat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Tuple
 
 import torch
 
-from ._runtime import HAS_TRITON, tl, triton
+from ._runtime import HAS_TRITON, launch_fields, tl, triton
 from ._runtime import interpreting as _interpreting
 from ._runtime import on_device as _on_device
 
@@ -35,11 +36,31 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SQRT1_2 = math.sqrt(0.5)
 _BETA = 0.5 * math.sqrt(0.5) * 2 / math.sqrt(math.pi)  # 1 / sqrt(2 pi): pdf = _BETA * exp(-h^2 / 2)
 
-# Launch shape: tiles of TILE_ELEMENTS (rows x up to 256 columns); a program walks enough row tiles
-# that at most MAX_PARTS rows of partial sums are left for the second kernel.
-TILE_ELEMENTS = 4096
-MAX_PARTS = 128
-NUM_WARPS = 4
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How the kernel is launched; as text ``4096x128x4`` (scripts/bench_gelu.py's variants): tile
+    elements x most partial-sum rows x warps. (No loop stages: Triton does not software-pipeline
+    this kernel's row loop, ``tl.range(num_stages=...)`` left its sm_90 code without cp.async.)"""
+
+    tile_elements: int = 4096  # a tile: rows x up to 256 columns
+    max_parts: int = 128  # a program walks enough row tiles that at most this many rows of partial sums are left
+    num_warps: int = 4
+
+    @classmethod
+    def parse(cls, text: str) -> "Launch":
+        fields, stages = launch_fields(text)
+        if len(fields) != 3 or stages != 1:
+            raise ValueError(f"GELU launch {text!r}: tile elements x most partial-sum rows x warps")
+        return cls(*fields)
+
+    def __str__(self) -> str:
+        return f"{self.tile_elements}x{self.max_parts}x{self.num_warps}"
+
+
+LAUNCH = Launch()
+"""The shipped launch (benchmarks/results/h100_bench_gelu.json: 3.17 ms a step against 3.98 for
+the first, 8192x256x8)."""
 
 
 if HAS_TRITON:
@@ -97,13 +118,14 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def tile(width: int) -> Tuple[int, int]:
-    """(BLOCK_R, BLOCK_C) for rows of ``width``: up to 256 columns, 128 where that divides the
-    width and 256 does not (384: three full tiles, not two with one half empty)."""
+def tile(width: int, launch: "Launch" = None) -> Tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) for rows of ``width`` (``launch``: default the shipped one): up to 256
+    columns, 128 where that divides the width and 256 does not (384: three full tiles, not two with
+    one half empty)."""
     block_c = min(256, _next_pow2(width))
     if width % block_c and width % 128 == 0:
         block_c = 128
-    return max(1, TILE_ELEMENTS // block_c), block_c
+    return max(1, (launch or LAUNCH).tile_elements // block_c), block_c
 
 
 def gelu_backward_bias(d_act: torch.Tensor, h: torch.Tensor
@@ -117,7 +139,7 @@ def gelu_backward_bias(d_act: torch.Tensor, h: torch.Tensor
     n_rows = h2.shape[0]
     block_r, block_c = tile(width)
     row_steps = triton.cdiv(n_rows, block_r)
-    parts_max = MAX_PARTS if h.is_cuda else 3  # the interpreter: a few programs, several steps each
+    parts_max = LAUNCH.max_parts if h.is_cuda else 3  # the interpreter: a few programs, several steps each
     rows_per_program = triton.cdiv(row_steps, min(row_steps, parts_max)) * block_r
     n_parts = triton.cdiv(n_rows, rows_per_program)
     act = torch.empty_like(h2)
@@ -128,7 +150,7 @@ def gelu_backward_bias(d_act: torch.Tensor, h: torch.Tensor
         _gelu_bwd_bias_kernel[(n_parts, triton.cdiv(width, block_c))](
             d_act2, h2, act, dh, part, n_rows, rows_per_program,
             F=width, BLOCK_R=block_r, BLOCK_C=block_c, SQRT1_2=_SQRT1_2, BETA=_BETA,
-            num_warps=NUM_WARPS,
+            num_warps=LAUNCH.num_warps,
         )
         _column_sums_kernel[(triton.cdiv(width, 32),)](part, db, n_parts, F=width, BLOCK_P=64, BLOCK_W=32,
                                                         num_warps=4)

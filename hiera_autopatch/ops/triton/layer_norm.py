@@ -16,28 +16,52 @@ Chain: kernels -> ``layer_norm_backward`` (launcher) -> custom op ``hiera_autopa
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
 
-from ._runtime import HAS_TRITON, tl, triton
+from ._runtime import HAS_TRITON, launch_fields, tl, triton
 from ._runtime import interpreting as _interpreting
 from ._runtime import on_device as _on_device
 
 MAX_WIDTH = 4096  # one row in registers: BLOCK_C = next_pow2(C) <= 4096
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Launch shape: the best of scripts/bench_layer_norm.py's sweep on an H100 over Hiera-B MAE's norms
-# (benchmarks/results/h100_bench_layer_norm_variants.json: 1.98 ms a step against Inductor's 2.35;
-# more programs an SM, larger tiles, or column sums each step were slower)
-TILE_ELEMENTS = 4096  # rows a step x BLOCK_C
-PROGRAMS_PER_SM = 2  # programs per SM, each over its share of the rows
-ACC_2D = True  # weight-gradient sums kept per row slot, reduced once at the end (see the kernel)
-NUM_WARPS = None  # None: 4, or 8 for tiles over 4096 elements
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How the backward kernel is launched; as text ``2x4096x2[x8][@2]`` (the benchmark scripts'
+    variants): programs per SM x tile elements x sums kind [x warps] [@ loop stages]."""
+
+    programs_per_sm: int = 2  # each program over its share of the rows
+    tile_elements: int = 4096  # rows a step x BLOCK_C
+    acc_2d: bool = True  # weight-gradient sums kept per row slot (2), or column sums each step (1)
+    num_warps: Optional[int] = None  # None: 4, or 8 for tiles over 4096 elements
+    loop_stages: int = 1  # > 1: Triton software-pipelines the row loop's loads (cp.async), this deep
+
+    @classmethod
+    def parse(cls, text: str) -> "Launch":
+        fields, stages = launch_fields(text)
+        per_sm, tile, *rest = fields
+        if len(rest) > 2 or (rest and rest[0] not in (1, 2)):
+            raise ValueError(f"LayerNorm launch {text!r}: programs per SM x tile elements [x 1|2 [x warps]][@stages]")
+        return cls(per_sm, tile, not rest or rest[0] == 2, rest[1] if len(rest) > 1 else None, stages)
+
+    def __str__(self) -> str:
+        text = f"{self.programs_per_sm}x{self.tile_elements}x{2 if self.acc_2d else 1}"
+        text += f"x{self.num_warps}" if self.num_warps else ""
+        return text + (f"@{self.loop_stages}" if self.loop_stages > 1 else "")
+
+    def warps(self, block_r: int, block_c: int) -> int:
+        return self.num_warps or (4 if block_r * block_c <= 4096 else 8)
 
 
-def num_warps(block_r: int, block_c: int) -> int:
-    return NUM_WARPS or (4 if block_r * block_c <= 4096 else 8)
+LAUNCH = Launch()
+"""The shipped launch: the best of scripts/bench_layer_norm.py's sweep on an H100 over Hiera-B MAE's
+norms (benchmarks/results/h100_bench_layer_norm_variants.json: 1.98 ms a step against Inductor's
+2.35; more programs an SM, larger tiles, or column sums each step were slower). Pipelined loops
+(``@2``, ``@3``) are not timed yet."""
 
 
 if HAS_TRITON:
@@ -47,7 +71,7 @@ if HAS_TRITON:
         DY, X, MEAN, RSTD, W, DRES, DX, PART,
         n_rows, rows_per_program,
         C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_RES: tl.constexpr,
-        ACC_2D: tl.constexpr, DX_SUM: tl.constexpr, PARTS: tl.constexpr,
+        ACC_2D: tl.constexpr, DX_SUM: tl.constexpr, PARTS: tl.constexpr, LOOP_STAGES: tl.constexpr,
     ):
         # Rows [pid * rows_per_program, ...) of dy, x, d_res, dx: (n_rows, C), contiguous.
         # PART (programs, 2*C or 3*C) fp32: this program's sums of dy*xhat (columns 0..C), dy
@@ -69,7 +93,8 @@ if HAS_TRITON:
             ds_acc = tl.zeros([BLOCK_C], tl.float32)
         first = pid * rows_per_program
         end = tl.minimum(first + rows_per_program, n_rows)
-        for r0 in range(first, end, BLOCK_R):
+        # LOOP_STAGES 1 compiles to the same code as a plain range (checked on sm_90's PTX)
+        for r0 in tl.range(first, end, BLOCK_R, num_stages=LOOP_STAGES):
             rows = r0 + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
             r_ok = rows < end
             mask = r_ok[:, None] & c_ok[None, :]  # (BLOCK_R, BLOCK_C)
@@ -149,7 +174,7 @@ def _next_pow2(n: int) -> int:
 def _programs(device: torch.device, row_steps: int) -> int:
     if device.type != "cuda":
         return min(row_steps, 4)  # the interpreter: a few programs, each over several steps
-    return min(row_steps, PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(row_steps, LAUNCH.programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
@@ -166,7 +191,7 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, r
     res2 = d_res.reshape(-1, C).contiguous() if d_res is not None else dy2  # (not read without HAS_RES)
     n_rows = x2.shape[0]
     block_c = _next_pow2(C)
-    block_r = max(1, min(TILE_ELEMENTS // block_c, _next_pow2(n_rows)))  # rows a step
+    block_r = max(1, min(LAUNCH.tile_elements // block_c, _next_pow2(n_rows)))  # rows a step
     row_steps = triton.cdiv(n_rows, block_r)
     programs = _programs(x.device, row_steps)
     rows_per_program = triton.cdiv(row_steps, programs) * block_r
@@ -182,8 +207,9 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, r
         _layer_norm_bwd_kernel[(programs,)](
             dy2, x2, mean.reshape(-1), rstd.reshape(-1), weight, res2, dx, part,
             n_rows, rows_per_program,
-            C=C, BLOCK_R=block_r, BLOCK_C=block_c, HAS_RES=d_res is not None, ACC_2D=ACC_2D,
-            DX_SUM=dx_sum, PARTS=parts, num_warps=num_warps(block_r, block_c),
+            C=C, BLOCK_R=block_r, BLOCK_C=block_c, HAS_RES=d_res is not None, ACC_2D=LAUNCH.acc_2d,
+            DX_SUM=dx_sum, PARTS=parts, LOOP_STAGES=LAUNCH.loop_stages,
+            num_warps=LAUNCH.warps(block_r, block_c),
         )
         _sum_parts_kernel[(triton.cdiv(parts * C, block_w),)](
             part, dw, db, ds, programs, C=C, PARTS=parts, BLOCK_P=128, BLOCK_W=block_w, num_warps=4,
