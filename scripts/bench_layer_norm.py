@@ -36,10 +36,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--variants", default="2x4096x2,2x4096x2@2,2x4096x2@3,4x2048x2,4x2048x2@2,1x4096x2",
+    parser.add_argument("--variants", default="2x4096x2,1x4096x2,4x2048x2,8x2048x2,2x4096x2x8,4x2048x2x8,8x1024x2,2x4096x1",
                         help="programs per SM x tile elements (rows a step x padded width) x 2 (sums per "
-                        "row slot) or 1 (column sums each step) [x warps] [@ loop stages], comma list "
-                        "(ops/triton/layer_norm.Launch)")
+                        "row slot) or 1 (column sums each step) [x warps], comma list (ops/triton/layer_norm.Launch)")
     parser.add_argument("--dx-sum", action="store_true",
                         help="also the dx column sums (the step's folded bias gradients), checked too")
     args = parser.parse_args(argv)

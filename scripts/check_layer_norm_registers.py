@@ -1,15 +1,14 @@
-"""Registers, spills and pipelined loads of the row-loop kernels (the one-pass LayerNorm backward,
-and with ``--gelu`` the GELU backward + bias sum), compiled for Hopper (sm_90) without a GPU, per
-Hiera-B width and launch variant.
+"""Registers and spills of the row-loop kernels (the one-pass LayerNorm backward, and with
+``--gelu`` the GELU backward + bias sum), compiled for Hopper (sm_90) without a GPU, per Hiera-B
+width and launch variant.
 
-    python scripts/check_layer_norm_registers.py [--variants 2x4096x2,2x4096x2@2] [--gelu 4096x128x4] [--json out.json]
+    python scripts/check_layer_norm_registers.py [--variants 2x4096x2,2x4096x2x8] [--gelu 4096x128x4] [--json out.json]
 
 Each LayerNorm variant (``ops/triton/layer_norm.Launch``'s text: programs per SM x tile elements x
-sums kind [x warps] [@ loop stages]) is compiled by Triton's compiler and ptxas for sm_90a, bf16,
+sums kind [x warps]) is compiled by Triton's compiler and ptxas for sm_90a, bf16,
 with the residual gradient, without and with the dx column sums (``dx_sum``, the step's folded
 bias gradients). ``programs_per_sm_by_registers`` is how many such programs fit an SM's 65,536
 registers: when it is below the variant's programs per SM, the extra programs wait for a free slot.
-``cp_async`` counts the PTX's asynchronous copies: 0 where the row loop's loads are not pipelined.
 GELU variants: ``ops/triton/gelu.Launch``'s text (tile elements x most partial-sum rows x warps).
 """
 
@@ -32,11 +31,9 @@ GELU_WIDTHS = {"stage1": 384, "stage2": 768, "stage3": 1536, "stage4": 3072, "de
 
 
 def usage(compiled, warps: int) -> dict:
-    """ptxas's registers and spills, the programs an SM's registers hold, and the PTX's cp.async count."""
+    """ptxas's registers and spills, and the programs an SM's registers hold."""
     use = ptxas_usage(compiled)
-    use.update(warps=warps, programs_per_sm_by_registers=REGISTERS_PER_SM // (use["registers"] * 32 * warps),
-               cp_async=compiled.asm["ptx"].count("cp.async.") - compiled.asm["ptx"].count("cp.async.commit")
-               - compiled.asm["ptx"].count("cp.async.wait"), shared_bytes=compiled.metadata.shared)
+    use.update(warps=warps, programs_per_sm_by_registers=REGISTERS_PER_SM // (use["registers"] * 32 * warps))
     return use
 
 
@@ -47,7 +44,7 @@ def layer_norm_kernel(launch, width: int, dx_sum: bool):
     block_r = max(1, launch.tile_elements // block_c)
     warps = launch.warps(block_r, block_c)
     constexprs = dict(C=width, BLOCK_R=block_r, BLOCK_C=block_c, HAS_RES=True, ACC_2D=launch.acc_2d,
-                      DX_SUM=dx_sum, PARTS=3 if dx_sum else 2, LOOP_STAGES=launch.loop_stages)
+                      DX_SUM=dx_sum, PARTS=3 if dx_sum else 2)
     return compile_sm90(tln._layer_norm_bwd_kernel, "bf16", constexprs, warps, 3, pointers=POINTERS), warps
 
 
@@ -62,7 +59,7 @@ def gelu_kernel(launch, width: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", default="2x4096x2,2x4096x2@2,2x4096x2@3,2x4096x2x8,4x2048x2")
+    parser.add_argument("--variants", default="2x4096x2,2x4096x2x8,4x2048x2,4x2048x2x8")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="Hiera-B shapes (both kernels), comma list")
     parser.add_argument("--gelu", default="", help="GELU kernel launches, comma list (none by default)")
     parser.add_argument("--json")

@@ -319,7 +319,7 @@ def main(argv=None) -> int:
                              "(use on a mode without CUDA graphs, e.g. compile)")
     parser.add_argument("--attention-tuning", help="tune_attention.py JSON for the +tuned_attention switch")
     parser.add_argument("--ln-variant", help="the one-pass LayerNorm backward's launch in modes with +ln_variant, e.g. "
-                        "2x4096x2@2: programs per SM x tile elements x sums kind [x warps] [@ loop stages] "
+                        "4x2048x2x8: programs per SM x tile elements x sums kind [x warps] "
                         "(scripts/bench_layer_norm.py's variants); other modes: ops/triton/layer_norm.py's")
     parser.add_argument("--gelu-variant", help="our GELU backward's launch in modes with +gelu_variant, e.g. 4096x128x4: "
                         "tile elements x most partial-sum rows x warps (scripts/bench_gelu.py's variants)")

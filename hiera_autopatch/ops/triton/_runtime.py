@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import List, Tuple
+from typing import List
 
 import torch
 
@@ -30,14 +30,12 @@ def on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def launch_fields(text: str) -> Tuple[List[int], int]:
-    """A kernel launch's text form, ``AxBxC[@S]`` -> ([A, B, C], S), S = 1 without ``@``: the
-    ``x``-separated integers and the software-pipeline depth of the kernel's main loop."""
-    body, _, stages = text.partition("@")
+def launch_fields(text: str) -> List[int]:
+    """A kernel launch's text form (the benchmark scripts' variants), ``AxBxC`` -> [A, B, C]."""
     try:
-        fields, depth = [int(v) for v in body.split("x")], int(stages or 1)
+        fields = [int(v) for v in text.split("x")]
     except ValueError:
-        raise ValueError(f"launch {text!r}: integers separated by 'x', optionally '@stages'") from None
-    if len(fields) < 2 or min(fields) < 1 or depth < 1:
-        raise ValueError(f"launch {text!r}: at least two positive integers, stages >= 1")
-    return fields, depth
+        raise ValueError(f"launch {text!r}: positive integers separated by 'x'") from None
+    if len(fields) < 2 or min(fields) < 1:
+        raise ValueError(f"launch {text!r}: at least two positive integers separated by 'x'")
+    return fields

@@ -40,8 +40,7 @@ _BETA = 0.5 * math.sqrt(0.5) * 2 / math.sqrt(math.pi)  # 1 / sqrt(2 pi): pdf = _
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """How the kernel is launched; as text ``4096x128x4`` (scripts/bench_gelu.py's variants): tile
-    elements x most partial-sum rows x warps. (No loop stages: Triton does not software-pipeline
-    this kernel's row loop, ``tl.range(num_stages=...)`` left its sm_90 code without cp.async.)"""
+    elements x most partial-sum rows x warps."""
 
     tile_elements: int = 4096  # a tile: rows x up to 256 columns
     max_parts: int = 128  # a program walks enough row tiles that at most this many rows of partial sums are left
@@ -49,8 +48,8 @@ class Launch:
 
     @classmethod
     def parse(cls, text: str) -> "Launch":
-        fields, stages = launch_fields(text)
-        if len(fields) != 3 or stages != 1:
+        fields = launch_fields(text)
+        if len(fields) != 3:
             raise ValueError(f"GELU launch {text!r}: tile elements x most partial-sum rows x warps")
         return cls(*fields)
 

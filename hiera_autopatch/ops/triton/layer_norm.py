@@ -31,27 +31,24 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """How the backward kernel is launched; as text ``2x4096x2[x8][@2]`` (the benchmark scripts'
-    variants): programs per SM x tile elements x sums kind [x warps] [@ loop stages]."""
+    """How the backward kernel is launched; as text ``2x4096x2[x8]`` (the benchmark scripts'
+    variants): programs per SM x tile elements x sums kind [x warps]."""
 
     programs_per_sm: int = 2  # each program over its share of the rows
     tile_elements: int = 4096  # rows a step x BLOCK_C
     acc_2d: bool = True  # weight-gradient sums kept per row slot (2), or column sums each step (1)
     num_warps: Optional[int] = None  # None: 4, or 8 for tiles over 4096 elements
-    loop_stages: int = 1  # > 1: Triton software-pipelines the row loop's loads (cp.async), this deep
 
     @classmethod
     def parse(cls, text: str) -> "Launch":
-        fields, stages = launch_fields(text)
-        per_sm, tile, *rest = fields
+        per_sm, tile, *rest = launch_fields(text)
         if len(rest) > 2 or (rest and rest[0] not in (1, 2)):
-            raise ValueError(f"LayerNorm launch {text!r}: programs per SM x tile elements [x 1|2 [x warps]][@stages]")
-        return cls(per_sm, tile, not rest or rest[0] == 2, rest[1] if len(rest) > 1 else None, stages)
+            raise ValueError(f"LayerNorm launch {text!r}: programs per SM x tile elements [x 1|2 [x warps]]")
+        return cls(per_sm, tile, not rest or rest[0] == 2, rest[1] if len(rest) > 1 else None)
 
     def __str__(self) -> str:
         text = f"{self.programs_per_sm}x{self.tile_elements}x{2 if self.acc_2d else 1}"
-        text += f"x{self.num_warps}" if self.num_warps else ""
-        return text + (f"@{self.loop_stages}" if self.loop_stages > 1 else "")
+        return text + (f"x{self.num_warps}" if self.num_warps else "")
 
     def warps(self, block_r: int, block_c: int) -> int:
         return self.num_warps or (4 if block_r * block_c <= 4096 else 8)
@@ -60,8 +57,7 @@ class Launch:
 LAUNCH = Launch()
 """The shipped launch: the best of scripts/bench_layer_norm.py's sweep on an H100 over Hiera-B MAE's
 norms (benchmarks/results/h100_bench_layer_norm_variants.json: 1.98 ms a step against Inductor's
-2.35; more programs an SM, larger tiles, or column sums each step were slower). Pipelined loops
-(``@2``, ``@3``) are not timed yet."""
+2.35; more programs an SM, larger tiles, or column sums each step were slower)."""
 
 
 if HAS_TRITON:
@@ -71,7 +67,7 @@ if HAS_TRITON:
         DY, X, MEAN, RSTD, W, DRES, DX, PART,
         n_rows, rows_per_program,
         C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_RES: tl.constexpr,
-        ACC_2D: tl.constexpr, DX_SUM: tl.constexpr, PARTS: tl.constexpr, LOOP_STAGES: tl.constexpr,
+        ACC_2D: tl.constexpr, DX_SUM: tl.constexpr, PARTS: tl.constexpr,
     ):
         # Rows [pid * rows_per_program, ...) of dy, x, d_res, dx: (n_rows, C), contiguous.
         # PART (programs, 2*C or 3*C) fp32: this program's sums of dy*xhat (columns 0..C), dy
@@ -93,8 +89,7 @@ if HAS_TRITON:
             ds_acc = tl.zeros([BLOCK_C], tl.float32)
         first = pid * rows_per_program
         end = tl.minimum(first + rows_per_program, n_rows)
-        # LOOP_STAGES 1 compiles to the same code as a plain range (checked on sm_90's PTX)
-        for r0 in tl.range(first, end, BLOCK_R, num_stages=LOOP_STAGES):
+        for r0 in range(first, end, BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
             r_ok = rows < end
             mask = r_ok[:, None] & c_ok[None, :]  # (BLOCK_R, BLOCK_C)
@@ -208,8 +203,7 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, r
             dy2, x2, mean.reshape(-1), rstd.reshape(-1), weight, res2, dx, part,
             n_rows, rows_per_program,
             C=C, BLOCK_R=block_r, BLOCK_C=block_c, HAS_RES=d_res is not None, ACC_2D=LAUNCH.acc_2d,
-            DX_SUM=dx_sum, PARTS=parts, LOOP_STAGES=LAUNCH.loop_stages,
-            num_warps=LAUNCH.warps(block_r, block_c),
+            DX_SUM=dx_sum, PARTS=parts, num_warps=LAUNCH.warps(block_r, block_c),
         )
         _sum_parts_kernel[(triton.cdiv(parts * C, block_w),)](
             part, dw, db, ds, programs, C=C, PARTS=parts, BLOCK_P=128, BLOCK_W=block_w, num_warps=4,
