@@ -5,7 +5,7 @@ width and launch variant.
     python scripts/check_layer_norm_registers.py [--variants 2x4096x2,2x4096x2x8] [--gelu 4096x128x4] [--json out.json]
 
 Each LayerNorm variant (``ops/triton/layer_norm.Launch``'s text: programs per SM x tile elements x
-sums kind [x warps]) is compiled by Triton's compiler and ptxas for sm_90a, bf16,
+sums kind [x warps] [p: prefetch]) is compiled by Triton's compiler and ptxas for sm_90a, bf16,
 with the residual gradient, without and with the dx column sums (``dx_sum``, the step's folded
 bias gradients). ``programs_per_sm_by_registers`` is how many such programs fit an SM's 65,536
 registers: when it is below the variant's programs per SM, the extra programs wait for a free slot.
@@ -44,7 +44,7 @@ def layer_norm_kernel(launch, width: int, dx_sum: bool):
     block_r = max(1, launch.tile_elements // block_c)
     warps = launch.warps(block_r, block_c)
     constexprs = dict(C=width, BLOCK_R=block_r, BLOCK_C=block_c, HAS_RES=True, ACC_2D=launch.acc_2d,
-                      DX_SUM=dx_sum, PARTS=3 if dx_sum else 2)
+                      DX_SUM=dx_sum, PARTS=3 if dx_sum else 2, PREFETCH=launch.prefetch)
     return compile_sm90(tln._layer_norm_bwd_kernel, "bf16", constexprs, warps, 3, pointers=POINTERS), warps
 
 
@@ -59,7 +59,7 @@ def gelu_kernel(launch, width: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", default="2x4096x2,2x4096x2x8,4x2048x2,4x2048x2x8")
+    parser.add_argument("--variants", default="2x4096x2,2x4096x2p,2x4096x2x8,2x4096x2x8p,4x2048x2,4x2048x2p,4x2048x2x8p")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="Hiera-B shapes (both kernels), comma list")
     parser.add_argument("--gelu", default="", help="GELU kernel launches, comma list (none by default)")
     parser.add_argument("--json")

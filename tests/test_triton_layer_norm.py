@@ -108,19 +108,34 @@ def test_cpu_backward_matches_aten(monkeypatch, rows, width, dtype, residual, ac
     check(rows, width, dtype, "cpu", residual)
 
 
+@cpu_only
+@pytest.mark.parametrize("rows,width", [(37, 96), (130, 72), (8, 256), (1, 40)])
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "no-residual"])
+@pytest.mark.parametrize("launch", ["2x4096x2p", "2x4096x1p"])
+def test_cpu_prefetching_backward_matches_aten(monkeypatch, rows, width, residual, launch):
+    """Each step's tiles loaded one step ahead: programs of one step, of several, and a last step
+    past the end of the rows (its prefetch fully masked)."""
+    monkeypatch.setattr(tln, "LAUNCH", tln.Launch.parse(launch))
+    check(rows, width, torch.float32, "cpu", residual)
+
+
 @gpu_only
+@pytest.mark.parametrize("launch", ["2x4096x2", "4x2048x2p", "4x2048x2x8p"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("rows,width", [(128 * 1248, 96), (128 * 312, 192), (128 * 76, 384),
                                         (128 * 19, 768), (128 * 196, 512), (1000, 4096), (3, 56)])
-def test_gpu_backward_matches_aten(rows, width, dtype):
-    """Hiera-B MAE's LayerNorms at batch 128 (stages 1-4, decoder), the widest row, a tiny one."""
+def test_gpu_backward_matches_aten(monkeypatch, rows, width, dtype, launch):
+    """Hiera-B MAE's LayerNorms at batch 128 (stages 1-4, decoder), the widest row, a tiny one; the
+    shipped launch and two prefetching ones."""
+    monkeypatch.setattr(tln, "LAUNCH", tln.Launch.parse(launch))
     check(rows, width, dtype, "cuda")
 
 
 def test_kernels_fit_hopper_registers(tmp_path):
     """scripts/check_layer_norm_registers.py compiles both row-loop kernels for sm_90 with Triton's
     compiler and ptxas, no GPU needed: the shipped launches, with and without the dx sums, fit an
-    SM's registers at least twice (two programs an SM, as launched), and the report names them."""
+    SM's registers at least twice (two programs an SM, as launched), and the report names them;
+    the prefetching 4x2048x2x8p holds two steps' tiles without spilling."""
     pytest.importorskip("triton")
     import json
 
@@ -128,7 +143,7 @@ def test_kernels_fit_hopper_registers(tmp_path):
 
     out = tmp_path / "regs.json"
     run = run_python([str(REPO / "scripts" / "check_layer_norm_registers.py"), "--shapes", "stage3,decoder",
-                      "--variants", str(tln.LAUNCH), "--gelu", "4096x128x4", "--json", str(out)],
+                      "--variants", f"{tln.LAUNCH},4x2048x2x8p", "--gelu", "4096x128x4", "--json", str(out)],
                      env={"TRITON_INTERPRET": None, "PYTHONPATH": str(REPO)}, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(out.read_text())
@@ -137,6 +152,8 @@ def test_kernels_fit_hopper_registers(tmp_path):
         for key in ("2x4096x2", "2x4096x2+dx_sum"):
             use = report["shapes"][name][key]
             assert 0 < use["registers"] <= 255 and use["programs_per_sm_by_registers"] >= 2, (name, key, use)
+        for key in ("4x2048x2x8p", "4x2048x2x8p+dx_sum"):
+            assert report["shapes"][name][key]["spill_store_bytes"] == 0, (name, key)
         assert 0 < report["gelu"][name]["4096x128x4"]["registers"] <= 255
 
 
@@ -252,11 +269,12 @@ def test_launch_text_parses_and_names_back():
     assert parse("2x4096") == tln.Launch(2, 4096, True, None)
     assert parse("2x4096x1") == tln.Launch(2, 4096, False, None)
     assert parse("4x2048x2x8") == tln.Launch(4, 2048, True, 8)
-    for text in ("4x2048x2x8", "2x4096x1"):
+    assert parse("4x2048x2x8p") == tln.Launch(4, 2048, True, 8, prefetch=True)
+    for text in ("4x2048x2x8", "2x4096x1", "2x4096x2p", "4x2048x2x8p"):
         assert str(parse(text)) == text
-    assert str(tln.LAUNCH) == "2x4096x2"
+    assert str(tln.LAUNCH) == "2x4096x2" and not tln.LAUNCH.prefetch
     assert tln.LAUNCH.warps(8, 512) == 4 and tln.LAUNCH.warps(16, 512) == 8
-    for bad in ("2", "2x4096x3", "2xabc", "2x4096@2", "2x4096x2x8x1", "0x4096"):
+    for bad in ("2", "2x4096x3", "2xabc", "2x4096@2", "2x4096x2x8x1", "0x4096", "p", "2x4096pp"):
         with pytest.raises(ValueError):
             parse(bad)
     from hiera_autopatch.ops.triton import gelu as tgelu

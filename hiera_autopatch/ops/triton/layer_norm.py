@@ -31,24 +31,26 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """How the backward kernel is launched; as text ``2x4096x2[x8]`` (the benchmark scripts'
-    variants): programs per SM x tile elements x sums kind [x warps]."""
+    """How the backward kernel is launched; as text ``2x4096x2[x8][p]`` (the benchmark scripts'
+    variants): programs per SM x tile elements x sums kind [x warps] [p: prefetch]."""
 
     programs_per_sm: int = 2  # each program over its share of the rows
     tile_elements: int = 4096  # rows a step x BLOCK_C
     acc_2d: bool = True  # weight-gradient sums kept per row slot (2), or column sums each step (1)
     num_warps: Optional[int] = None  # None: 4, or 8 for tiles over 4096 elements
+    prefetch: bool = False  # load the next row step's tiles before this step's math (see the kernel)
 
     @classmethod
     def parse(cls, text: str) -> "Launch":
-        per_sm, tile, *rest = launch_fields(text)
+        prefetch = text.endswith("p")
+        per_sm, tile, *rest = launch_fields(text[:-1] if prefetch else text)
         if len(rest) > 2 or (rest and rest[0] not in (1, 2)):
-            raise ValueError(f"LayerNorm launch {text!r}: programs per SM x tile elements [x 1|2 [x warps]]")
-        return cls(per_sm, tile, not rest or rest[0] == 2, rest[1] if len(rest) > 1 else None)
+            raise ValueError(f"LayerNorm launch {text!r}: programs per SM x tile elements [x 1|2 [x warps]][p]")
+        return cls(per_sm, tile, not rest or rest[0] == 2, rest[1] if len(rest) > 1 else None, prefetch)
 
     def __str__(self) -> str:
         text = f"{self.programs_per_sm}x{self.tile_elements}x{2 if self.acc_2d else 1}"
-        return text + (f"x{self.num_warps}" if self.num_warps else "")
+        return text + (f"x{self.num_warps}" if self.num_warps else "") + ("p" if self.prefetch else "")
 
     def warps(self, block_r: int, block_c: int) -> int:
         return self.num_warps or (4 if block_r * block_c <= 4096 else 8)
@@ -63,16 +65,37 @@ norms (benchmarks/results/h100_bench_layer_norm_variants.json: 1.98 ms a step ag
 if HAS_TRITON:
 
     @triton.jit
+    def _load_row_step(DY, X, MEAN, RSTD, DRES, r0, end, cols, c_ok, C: tl.constexpr,
+                       BLOCK_R: tl.constexpr, HAS_RES: tl.constexpr):
+        # One row step's inputs as stored: dy, x, d_res (BLOCK_R, BLOCK_C; without HAS_RES dy
+        # again, unused), mean, rstd (BLOCK_R,). Rows past ``end``: masked, nothing read.
+        rows = r0 + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
+        r_ok = rows < end
+        mask = r_ok[:, None] & c_ok[None, :]  # (BLOCK_R, BLOCK_C)
+        offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+        dy = tl.load(DY + offs, mask=mask, other=0.0)
+        x = tl.load(X + offs, mask=mask, other=0.0)
+        if HAS_RES:
+            res = tl.load(DRES + offs, mask=mask, other=0.0)
+        else:
+            res = dy
+        mean = tl.load(MEAN + rows, mask=r_ok, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=r_ok, other=0.0)
+        return dy, x, res, mean, rstd
+
+    @triton.jit
     def _layer_norm_bwd_kernel(
         DY, X, MEAN, RSTD, W, DRES, DX, PART,
         n_rows, rows_per_program,
         C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_RES: tl.constexpr,
-        ACC_2D: tl.constexpr, DX_SUM: tl.constexpr, PARTS: tl.constexpr,
+        ACC_2D: tl.constexpr, DX_SUM: tl.constexpr, PARTS: tl.constexpr, PREFETCH: tl.constexpr,
     ):
         # Rows [pid * rows_per_program, ...) of dy, x, d_res, dx: (n_rows, C), contiguous.
         # PART (programs, 2*C or 3*C) fp32: this program's sums of dy*xhat (columns 0..C), dy
         # (C..2C) and, with DX_SUM, dx as stored (2C..3C: the bias gradient of the Linear whose
-        # output's gradient dx is); PARTS: 3 with DX_SUM, else 2.
+        # output's gradient dx is); PARTS: 3 with DX_SUM, else 2. PREFETCH: each step's tiles are
+        # loaded one step ahead (registers hold two steps' inputs), so a program's few steps do not
+        # each wait for their loads; without it the loads are issued at the step that uses them.
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_C)  # (BLOCK_C,)
         c_ok = cols < C
@@ -89,22 +112,37 @@ if HAS_TRITON:
             ds_acc = tl.zeros([BLOCK_C], tl.float32)
         first = pid * rows_per_program
         end = tl.minimum(first + rows_per_program, n_rows)
+        if PREFETCH:
+            dy_next, x_next, res_next, mean_next, rstd_next = _load_row_step(
+                DY, X, MEAN, RSTD, DRES, first, end, cols, c_ok, C, BLOCK_R, HAS_RES)
         for r0 in range(first, end, BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
             r_ok = rows < end
             mask = r_ok[:, None] & c_ok[None, :]  # (BLOCK_R, BLOCK_C)
             offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-            mean = tl.load(MEAN + rows, mask=r_ok, other=0.0).to(tl.float32)  # (BLOCK_R,)
-            rstd = tl.load(RSTD + rows, mask=r_ok, other=0.0).to(tl.float32)
+            if PREFETCH:
+                dy, x, res, mean, rstd = dy_next, x_next, res_next, mean_next, rstd_next
+                dy_next, x_next, res_next, mean_next, rstd_next = _load_row_step(
+                    DY, X, MEAN, RSTD, DRES, r0 + BLOCK_R, end, cols, c_ok, C, BLOCK_R, HAS_RES)
+                dy = dy.to(tl.float32)
+                x = x.to(tl.float32)
+                mean = mean.to(tl.float32)
+                rstd = rstd.to(tl.float32)
+            else:
+                dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+                mean = tl.load(MEAN + rows, mask=r_ok, other=0.0).to(tl.float32)  # (BLOCK_R,)
+                rstd = tl.load(RSTD + rows, mask=r_ok, other=0.0).to(tl.float32)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             wdy = w[None, :] * dy
             c1 = tl.sum(xhat * wdy, 1) / C  # (BLOCK_R,)
             c2 = tl.sum(wdy, 1) / C
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
             if HAS_RES:
-                dx += tl.load(DRES + offs, mask=mask, other=0.0).to(tl.float32)
+                if PREFETCH:
+                    dx += res.to(tl.float32)
+                else:
+                    dx += tl.load(DRES + offs, mask=mask, other=0.0).to(tl.float32)
             dx_out = dx.to(DX.dtype.element_ty)
             tl.store(DX + offs, dx_out, mask=mask)
             if ACC_2D:
@@ -203,7 +241,7 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, r
             dy2, x2, mean.reshape(-1), rstd.reshape(-1), weight, res2, dx, part,
             n_rows, rows_per_program,
             C=C, BLOCK_R=block_r, BLOCK_C=block_c, HAS_RES=d_res is not None, ACC_2D=LAUNCH.acc_2d,
-            DX_SUM=dx_sum, PARTS=parts, num_warps=LAUNCH.warps(block_r, block_c),
+            DX_SUM=dx_sum, PARTS=parts, PREFETCH=LAUNCH.prefetch, num_warps=LAUNCH.warps(block_r, block_c),
         )
         _sum_parts_kernel[(triton.cdiv(parts * C, block_w),)](
             part, dw, db, ds, programs, C=C, PARTS=parts, BLOCK_P=128, BLOCK_W=block_w, num_warps=4,
