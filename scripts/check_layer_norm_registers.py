@@ -9,7 +9,7 @@ sums kind [x warps] [p: prefetch]) is compiled by Triton's compiler and ptxas fo
 with the residual gradient, without and with the dx column sums (``dx_sum``, the step's folded
 bias gradients). ``programs_per_sm_by_registers`` is how many such programs fit an SM's 65,536
 registers: when it is below the variant's programs per SM, the extra programs wait for a free slot.
-GELU variants: ``ops/triton/gelu.Launch``'s text (tile elements x most partial-sum rows x warps).
+GELU variants: ``ops/triton/gelu.Launch``'s text (tile elements x most partial-sum rows x warps [p]).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def gelu_kernel(launch, width: int):
     from hiera_autopatch.ops.triton import gelu as tgelu
 
     block_r, block_c = tgelu.tile(width, launch)
-    constexprs = dict(F=width, BLOCK_R=block_r, BLOCK_C=block_c, SQRT1_2=tgelu._SQRT1_2, BETA=tgelu._BETA)
+    constexprs = dict(F=width, BLOCK_R=block_r, BLOCK_C=block_c, SQRT1_2=tgelu._SQRT1_2, BETA=tgelu._BETA,
+                      PREFETCH=launch.prefetch)
     return compile_sm90(tgelu._gelu_bwd_bias_kernel, "bf16", constexprs, launch.num_warps, 3,
                         pointers=GELU_POINTERS), launch.num_warps
 

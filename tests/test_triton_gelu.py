@@ -55,12 +55,25 @@ def test_cpu_kernel_matches_aten(rows, width, dtype):
     check(rows, width, dtype, "cpu")
 
 
+@cpu_only
+@pytest.mark.parametrize("rows,width", [(37, 96), (130, 384), (300, 40), (1, 600), (70, 512)])
+@pytest.mark.parametrize("launch", ["4096x128x4p", "2048x64x4p"])
+def test_cpu_prefetching_kernel_matches_aten(monkeypatch, rows, width, launch):
+    """Each row tile's inputs loaded one tile ahead: programs of one tile, of several, and a last
+    prefetch past the rows (fully masked)."""
+    monkeypatch.setattr(tgelu, "LAUNCH", tgelu.Launch.parse(launch))
+    check(rows, width, torch.float32, "cpu")
+
+
 @gpu_only
+@pytest.mark.parametrize("launch", ["4096x128x4", "2048x128x4p"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("rows,width", [(128 * 1216, 384), (128 * 304, 768), (128 * 76, 1536),
                                         (128 * 19, 3072), (128 * 196, 2048), (3, 56)])
-def test_gpu_kernel_matches_aten(rows, width, dtype):
-    """Hiera-B MAE's MLPs at batch 128 (stages 1-4 at mask 0.6, decoder) and a tiny one."""
+def test_gpu_kernel_matches_aten(monkeypatch, rows, width, dtype, launch):
+    """Hiera-B MAE's MLPs at batch 128 (stages 1-4 at mask 0.6, decoder) and a tiny one; the shipped
+    launch and a prefetching one."""
+    monkeypatch.setattr(tgelu, "LAUNCH", tgelu.Launch.parse(launch))
     check(rows, width, dtype, "cuda")
 
 

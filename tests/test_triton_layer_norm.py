@@ -135,7 +135,7 @@ def test_kernels_fit_hopper_registers(tmp_path):
     """scripts/check_layer_norm_registers.py compiles both row-loop kernels for sm_90 with Triton's
     compiler and ptxas, no GPU needed: the shipped launches, with and without the dx sums, fit an
     SM's registers at least twice (two programs an SM, as launched), and the report names them;
-    the prefetching 4x2048x2x8p holds two steps' tiles without spilling."""
+    the prefetching 4x2048x2x8p and GELU's 2048x128x4p hold two steps' tiles without spilling."""
     pytest.importorskip("triton")
     import json
 
@@ -143,7 +143,7 @@ def test_kernels_fit_hopper_registers(tmp_path):
 
     out = tmp_path / "regs.json"
     run = run_python([str(REPO / "scripts" / "check_layer_norm_registers.py"), "--shapes", "stage3,decoder",
-                      "--variants", f"{tln.LAUNCH},4x2048x2x8p", "--gelu", "4096x128x4", "--json", str(out)],
+                      "--variants", f"{tln.LAUNCH},4x2048x2x8p", "--gelu", "4096x128x4,2048x128x4p", "--json", str(out)],
                      env={"TRITON_INTERPRET": None, "PYTHONPATH": str(REPO)}, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(out.read_text())
@@ -155,6 +155,7 @@ def test_kernels_fit_hopper_registers(tmp_path):
         for key in ("4x2048x2x8p", "4x2048x2x8p+dx_sum"):
             assert report["shapes"][name][key]["spill_store_bytes"] == 0, (name, key)
         assert 0 < report["gelu"][name]["4096x128x4"]["registers"] <= 255
+        assert report["gelu"][name]["2048x128x4p"]["spill_store_bytes"] == 0
 
 
 def test_supports_declines_what_it_cannot_take():
@@ -280,7 +281,9 @@ def test_launch_text_parses_and_names_back():
     from hiera_autopatch.ops.triton import gelu as tgelu
 
     assert str(tgelu.Launch.parse("8192x256x8")) == "8192x256x8" and str(tgelu.LAUNCH) == "4096x128x4"
-    for bad in ("4096x128", "4096x128x4x1"):
+    assert tgelu.Launch.parse("2048x64x4p") == tgelu.Launch(2048, 64, 4, prefetch=True) and not tgelu.LAUNCH.prefetch
+    assert str(tgelu.Launch.parse("2048x64x4p")) == "2048x64x4p"
+    for bad in ("4096x128", "4096x128x4x1", "4096x128x4@2", "4096x128x4pp"):
         with pytest.raises(ValueError):
             tgelu.Launch.parse(bad)
 

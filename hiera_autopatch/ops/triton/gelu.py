@@ -39,22 +39,24 @@ _BETA = 0.5 * math.sqrt(0.5) * 2 / math.sqrt(math.pi)  # 1 / sqrt(2 pi): pdf = _
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """How the kernel is launched; as text ``4096x128x4`` (scripts/bench_gelu.py's variants): tile
-    elements x most partial-sum rows x warps."""
+    """How the kernel is launched; as text ``4096x128x4[p]`` (scripts/bench_gelu.py's variants):
+    tile elements x most partial-sum rows x warps [p: prefetch]."""
 
     tile_elements: int = 4096  # a tile: rows x up to 256 columns
     max_parts: int = 128  # a program walks enough row tiles that at most this many rows of partial sums are left
     num_warps: int = 4
+    prefetch: bool = False  # load the next row tile's inputs before this tile's math (see the kernel)
 
     @classmethod
     def parse(cls, text: str) -> "Launch":
-        fields = launch_fields(text)
+        prefetch = text.endswith("p")
+        fields = launch_fields(text[:-1] if prefetch else text)
         if len(fields) != 3:
-            raise ValueError(f"GELU launch {text!r}: tile elements x most partial-sum rows x warps")
-        return cls(*fields)
+            raise ValueError(f"GELU launch {text!r}: tile elements x most partial-sum rows x warps[p]")
+        return cls(*fields, prefetch=prefetch)
 
     def __str__(self) -> str:
-        return f"{self.tile_elements}x{self.max_parts}x{self.num_warps}"
+        return f"{self.tile_elements}x{self.max_parts}x{self.num_warps}" + ("p" if self.prefetch else "")
 
 
 LAUNCH = Launch()
@@ -68,22 +70,36 @@ if HAS_TRITON:
     def _gelu_bwd_bias_kernel(
         DACT, H, ACT, DH, PART, n_rows, rows_per_program,
         F: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-        SQRT1_2: tl.constexpr, BETA: tl.constexpr,
+        SQRT1_2: tl.constexpr, BETA: tl.constexpr, PREFETCH: tl.constexpr,
     ):
         # Rows [pid_r * rows_per_program, ...) x columns [pid_c * BLOCK_C, ...) of d_act, h, act,
         # dh: (n_rows, F), contiguous. PART (row programs, F) fp32: this program's column sums of dh.
+        # PREFETCH: each tile's h and d_act are loaded one tile ahead (masked past the rows).
         pid_r = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # (BLOCK_C,)
         c_ok = cols < F
         total = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)  # per row slot, reduced once at the end
         first = pid_r * rows_per_program
         end = tl.minimum(first + rows_per_program, n_rows)
+        if PREFETCH:
+            rows = first + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
+            mask = (rows < end)[:, None] & c_ok[None, :]
+            offs = rows.to(tl.int64)[:, None] * F + cols[None, :]  # (BLOCK_R, BLOCK_C)
+            h_next = tl.load(H + offs, mask=mask, other=0.0)
+            d_act_next = tl.load(DACT + offs, mask=mask, other=0.0)
         for r0 in range(first, end, BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
             mask = (rows < end)[:, None] & c_ok[None, :]
             offs = rows.to(tl.int64)[:, None] * F + cols[None, :]  # (BLOCK_R, BLOCK_C)
-            h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
-            d_act = tl.load(DACT + offs, mask=mask, other=0.0).to(tl.float32)
+            if PREFETCH:
+                h = h_next.to(tl.float32)
+                d_act = d_act_next.to(tl.float32)
+                mask_next = (rows + BLOCK_R < end)[:, None] & c_ok[None, :]
+                h_next = tl.load(H + offs + BLOCK_R * F, mask=mask_next, other=0.0)
+                d_act_next = tl.load(DACT + offs + BLOCK_R * F, mask=mask_next, other=0.0)
+            else:
+                h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+                d_act = tl.load(DACT + offs, mask=mask, other=0.0).to(tl.float32)
             erf = tl.math.erf(h * SQRT1_2)
             act = h * 0.5 * (1.0 + erf)
             cdf = 0.5 * (1.0 + erf)
@@ -149,7 +165,7 @@ def gelu_backward_bias(d_act: torch.Tensor, h: torch.Tensor
         _gelu_bwd_bias_kernel[(n_parts, triton.cdiv(width, block_c))](
             d_act2, h2, act, dh, part, n_rows, rows_per_program,
             F=width, BLOCK_R=block_r, BLOCK_C=block_c, SQRT1_2=_SQRT1_2, BETA=_BETA,
-            num_warps=LAUNCH.num_warps,
+            PREFETCH=LAUNCH.prefetch, num_warps=LAUNCH.num_warps,
         )
         _column_sums_kernel[(triton.cdiv(width, 32),)](part, db, n_parts, F=width, BLOCK_P=64, BLOCK_W=32,
                                                         num_warps=4)
