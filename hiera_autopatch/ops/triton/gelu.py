@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -133,7 +133,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def tile(width: int, launch: "Launch" = None) -> Tuple[int, int]:
+def tile(width: int, launch: Optional[Launch] = None) -> Tuple[int, int]:
     """(BLOCK_R, BLOCK_C) for rows of ``width`` (``launch``: default the shipped one): up to 256
     columns, 128 where that divides the width and 256 does not (384: three full tiles, not two with
     one half empty)."""
