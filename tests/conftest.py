@@ -24,6 +24,20 @@ if not torch.cuda.is_available():
     # imported, by whichever test gets there first: set it for the whole session, before any test.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+
+def triton_marks(kernel_module, kernel) -> tuple:
+    """(interpreted, cpu_only, gpu_only) for a Triton kernel's tests: whether ``kernel`` (one
+    @triton.jit function of ``kernel_module``) runs in the interpreter (set above, without a GPU),
+    and the skip marks of tests that need it interpreted or compiled on CUDA."""
+    interpreted = kernel_module.HAS_TRITON and type(kernel).__name__ == "InterpretedFunction"
+    cpu_only = pytest.mark.skipif(not interpreted, reason="CPU tests need the Triton interpreter: TRITON_INTERPRET=1 "
+                                  "before the kernel module is imported (and triton installed)")
+    gpu_only = pytest.mark.skipif(not (torch.cuda.is_available() and kernel_module.HAS_TRITON and not interpreted),
+                                  reason="needs CUDA and compiled (not interpreted) Triton")
+    return interpreted, cpu_only, gpu_only
+
+
 REPO = Path(__file__).resolve().parent.parent
 PTH_NAME = "hiera_autopatch.pth"
 START_NAME = "hiera_autopatch.start"

@@ -10,24 +10,15 @@ fp64 reference with per-dtype tolerances (``test_triton_layer_norm.assert_close`
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import triton_marks
+from test_triton_layer_norm import assert_close
 
-_HAS_CUDA = torch.cuda.is_available()
-if not _HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from hiera_autopatch.ops.triton import gelu as tgelu
 
-tgelu = importlib.import_module("hiera_autopatch.ops.triton.gelu")
-from test_triton_layer_norm import assert_close  # noqa: E402
-
-_INTERPRETED = tgelu.HAS_TRITON and type(tgelu._gelu_bwd_bias_kernel).__name__ == "InterpretedFunction"
-cpu_only = pytest.mark.skipif(not _INTERPRETED, reason="CPU tests need the Triton interpreter")
-gpu_only = pytest.mark.skipif(not (_HAS_CUDA and tgelu.HAS_TRITON and not _INTERPRETED),
-                              reason="needs CUDA and compiled (not interpreted) Triton")
+_INTERPRETED, cpu_only, gpu_only = triton_marks(tgelu, tgelu._gelu_bwd_bias_kernel)
 
 
 def check(rows, width, dtype, device, seed=0):

@@ -10,22 +10,13 @@ with per-dtype tolerances: normwise relative error against an fp64 reference, th
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
+from conftest import triton_marks
 
-_HAS_CUDA = torch.cuda.is_available()
-if not _HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from hiera_autopatch.ops.triton import layer_norm as tln
 
-tln = importlib.import_module("hiera_autopatch.ops.triton.layer_norm")
-
-_INTERPRETED = tln.HAS_TRITON and type(tln._layer_norm_bwd_kernel).__name__ == "InterpretedFunction"
-cpu_only = pytest.mark.skipif(not _INTERPRETED, reason="CPU tests need the Triton interpreter")
-gpu_only = pytest.mark.skipif(not (_HAS_CUDA and tln.HAS_TRITON and not _INTERPRETED),
-                              reason="needs CUDA and compiled (not interpreted) Triton")
+_INTERPRETED, cpu_only, gpu_only = triton_marks(tln, tln._layer_norm_bwd_kernel)
 
 # dtype -> (max normwise relative error, atol, rtol); bf16/fp16 outputs round once (ours) or twice
 TOLERANCES = {
@@ -139,7 +130,7 @@ def test_kernels_fit_hopper_registers(tmp_path):
     pytest.importorskip("triton")
     import json
 
-    from conftest import REPO, run_python
+    from conftest import REPO, run_python, triton_marks
 
     out = tmp_path / "regs.json"
     run = run_python([str(REPO / "scripts" / "check_layer_norm_registers.py"), "--shapes", "stage3,decoder",

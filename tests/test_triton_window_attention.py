@@ -12,35 +12,18 @@ reference, plus an elementwise allclose that reports where it fails).
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
-from conftest import REPO, import_script, run_python
+from conftest import REPO, import_script, run_python, triton_marks
 
-_HAS_CUDA = torch.cuda.is_available()
-if not _HAS_CUDA:
-    # The interpreter is chosen when a kernel is decorated: set it before the module is imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from hiera_autopatch.ops.triton import window_attention as wa
 
-wa = importlib.import_module("hiera_autopatch.ops.triton.window_attention")
+_INTERPRETED, cpu_only, gpu_only = triton_marks(wa, wa._window_attention_fwd_kernel)
 
-_INTERPRETED = wa.HAS_TRITON and type(wa._window_attention_fwd_kernel).__name__ == "InterpretedFunction"
-
-cpu_only = pytest.mark.skipif(
-    not _INTERPRETED,
-    reason="CPU tests need the Triton interpreter: TRITON_INTERPRET=1 before the kernel module is "
-    "imported (and triton installed)",
-)
-gpu_only = pytest.mark.skipif(
-    not (_HAS_CUDA and wa.HAS_TRITON and not _INTERPRETED),
-    reason="needs CUDA and compiled (not interpreted) Triton",
-)
 
 def test_cpu_kernels_are_interpreted_without_a_gpu():
     """Without a GPU the CPU tests below must run, not skip (conftest.py sets the interpreter)."""
-    if _HAS_CUDA or not wa.HAS_TRITON:
+    if torch.cuda.is_available() or not wa.HAS_TRITON:
         pytest.skip("a GPU is present, or triton is not installed")
     assert _INTERPRETED
 
