@@ -59,6 +59,23 @@ def save_json(path, results: dict) -> None:
             json.dump(results, fh, indent=1)
 
 
+def time_launches(kernel_module, variants, run, expected, entry: dict, device: str = "cuda") -> None:
+    """Each launch variant (``kernel_module.Launch``'s text) of one shape: ``kernel_module.LAUNCH``
+    set to it, ``run()``'s outputs checked against ``expected`` (relative L2 error each), timed
+    (``kernel_ms``) when every error is within 2e-2, else recorded untimed (None); the shipped
+    launch restored."""
+    shipped = kernel_module.LAUNCH
+    try:
+        for variant in variants:
+            kernel_module.LAUNCH = kernel_module.Launch.parse(variant)
+            errors = [float((g.float() - e.float()).norm() / e.float().norm()) for g, e in zip(run(), expected)]
+            entry[f"ours_{variant}_rel_err"] = errors
+            entry[f"ours_{variant}_ms"] = kernel_ms(run, device) if max(errors) <= 2e-2 else None
+    finally:
+        kernel_module.LAUNCH = shipped
+    entry["shipped"] = str(shipped)
+
+
 def record_best(entry: dict, per_step: int) -> None:
     """One shape's fastest correct ``ours_<variant>_ms`` against ``inductor_ms``: its name, the ms it
     saves a step over ``per_step`` calls, and both sides' TB/s over ``min_bytes``."""

@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import graph_replay_ms, record_best, record_step_totals, results_header, save_json  # noqa: E402
+from _timing import (  # noqa: E402
+    kernel_ms, record_best, record_step_totals, results_header, save_json, time_launches,
+)
 
 # name -> (tokens per sample: 19 kept mask units at ratio 0.6; 120 masked for the decoder's last
 # MLP, which runs at the masked rows only; hidden width, MLPs a step)
@@ -37,6 +39,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json")
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: a dry run in Triton's interpreter, fp32 (shows that the script runs)")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--variants", default="4096x128x4,8192x256x8,4096x256x4,8192x128x8,2048x128x4,2048x64x4,4096x64x4,4096x128x8",
                         help="tile elements x most partial-sum rows x warps, comma list (ops/triton/gelu.Launch)")
@@ -45,13 +49,14 @@ def main(argv=None) -> int:
     from hiera_autopatch.ops import step_graph
     from hiera_autopatch.ops.triton import gelu as tgelu
 
-    shipped = tgelu.LAUNCH
-    for variant in args.variants.split(","):
+    variants = args.variants.split(",")
+    for variant in variants:
         tgelu.Launch.parse(variant)  # a typo fails here, before any timing
 
     torch.manual_seed(0)
-    results = results_header(args.batch, "cuda")
-    results["shipped"] = "x".join(str(v) for v in shipped)
+    device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
+    results = results_header(args.batch, device)
+    results["shipped"] = str(tgelu.LAUNCH)
 
     def inductor_backward(d_act, h):
         dh = torch.ops.aten.gelu_backward(d_act, h)
@@ -60,7 +65,7 @@ def main(argv=None) -> int:
     for name in args.shapes.split(","):
         tokens, width, per_step = SHAPES[name]
         rows = args.batch * tokens
-        h = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) * 2
+        h = torch.randn(rows, width, device=device, dtype=dtype) * 2
         d_act = torch.randn_like(h)
         torch._dynamo.reset()
         options = {k: v for k, v in step_graph.default_options().items() if k != "post_grad_custom_post_pass"}
@@ -68,22 +73,13 @@ def main(argv=None) -> int:
         expected = compiled(d_act, h)
         entry = {"rows": rows, "width": width, "per_step": per_step,
                  "min_bytes": 4 * rows * width * h.element_size()}
-        entry["inductor_ms"] = graph_replay_ms(lambda: compiled(d_act, h))
-        for variant in args.variants.split(","):
-            tgelu.LAUNCH = tgelu.Launch.parse(variant)
-            got = tgelu.gelu_backward_bias(d_act, h)
-            errors = [float((g.float() - e.float()).norm() / e.float().norm()) for g, e in zip(got, expected)]
-            entry[f"ours_{variant}_rel_err"] = errors
-            if max(errors) > 2e-2:
-                entry[f"ours_{variant}_ms"] = None  # wrong: not timed
-                continue
-            entry[f"ours_{variant}_ms"] = graph_replay_ms(lambda: tgelu.gelu_backward_bias(d_act, h))
-        tgelu.LAUNCH = shipped
+        entry["inductor_ms"] = kernel_ms(lambda: compiled(d_act, h), device)
+        time_launches(tgelu, variants, lambda: tgelu.gelu_backward_bias(d_act, h), expected, entry, device)
         record_best(entry, per_step)
         results["shapes"][name] = entry
         print(name, json.dumps(entry), flush=True)
         save_json(args.json, results)
-    record_step_totals(results, args.variants.split(","), args.json)
+    record_step_totals(results, variants, args.json)
     return 0
 
 

@@ -588,3 +588,29 @@ def test_bench_weight_grads_orders_give_the_same_gradient():
         assert got.shape == want.shape, name
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)  # fp32 sums of 64 in another order
     assert not bench.VARIANTS["Xt_dY_T"](dy, x).is_contiguous()  # the transposed view, as timed
+
+
+def test_kernel_bench_scripts_dry_run_in_the_interpreter(tmp_path):
+    """scripts/bench_layer_norm.py and bench_gelu.py on the CPU (``--device cpu``: Triton's
+    interpreter, fp32, one small shape): every launch variant is checked against Inductor's result
+    and gets a time, the shipped launch is named, and the step totals add up. A crash here would
+    otherwise cost a GPU session."""
+    pytest.importorskip("triton")
+    jobs = {
+        "layer_norm": ["scripts/bench_layer_norm.py", "--device", "cpu", "--batch", "2", "--shapes", "stage4",
+                       "--dx-sum", "--variants", "2x4096x2,4x2048x2x8p", "--json", str(tmp_path / "layer_norm.json")],
+        "gelu": ["scripts/bench_gelu.py", "--device", "cpu", "--batch", "2", "--shapes", "stage4",
+                 "--variants", "4096x128x4,2048x64x4p", "--json", str(tmp_path / "gelu.json")],
+    }
+    env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    results = in_parallel({name: (lambda args=args: run_python(args, cwd=ROOT, env=env, timeout=600))
+                           for name, args in jobs.items()})
+    for name, shipped, variants in (("layer_norm", "2x4096x2", ("2x4096x2", "4x2048x2x8p")),
+                                    ("gelu", "4096x128x4", ("4096x128x4", "2048x64x4p"))):
+        assert results[name].returncode == 0, explain(results[name])
+        report = json.loads((tmp_path / f"{name}.json").read_text())
+        entry = report["shapes"]["stage4"]
+        assert entry["shipped"] == shipped and entry["inductor_ms"] > 0
+        for variant in variants:
+            assert max(entry[f"ours_{variant}_rel_err"]) < 1e-5 and entry[f"ours_{variant}_ms"] > 0, (name, variant)
+        assert set(report["ms_per_step"]) == {"inductor", *variants}
