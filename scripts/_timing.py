@@ -59,6 +59,21 @@ def save_json(path, results: dict) -> None:
             json.dump(results, fh, indent=1)
 
 
+def launch_bench_parser(doc: str, shapes, variants: str, variants_help: str):
+    """The command line the launch benchmarks share (bench_layer_norm.py, bench_gelu.py):
+    --json, --batch, --device (cpu: a dry run in Triton's interpreter), --shapes, --variants."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--json")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: a dry run in Triton's interpreter, fp32 (shows that the script runs)")
+    parser.add_argument("--shapes", default=",".join(shapes))
+    parser.add_argument("--variants", default=variants, help=variants_help + ", comma list")
+    return parser
+
+
 def time_launches(kernel_module, variants, run, expected, entry: dict, device: str = "cuda") -> None:
     """Each launch variant (``kernel_module.Launch``'s text) of one shape: ``kernel_module.LAUNCH``
     set to it, ``run()``'s outputs checked against ``expected`` (relative L2 error each), timed

@@ -11,7 +11,6 @@ variant, and the bytes each must move at least (h, d_act read; act, dh written) 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import (  # noqa: E402
-    kernel_ms, record_best, record_step_totals, results_header, save_json, time_launches,
+    kernel_ms, launch_bench_parser, record_best, record_step_totals, results_header, save_json, time_launches,
 )
 
 # name -> (tokens per sample: 19 kept mask units at ratio 0.6; 120 masked for the decoder's last
@@ -36,14 +35,8 @@ SHAPES = {
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="cpu: a dry run in Triton's interpreter, fp32 (shows that the script runs)")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--variants", default="4096x128x4,8192x256x8,4096x256x4,8192x128x8,2048x128x4,2048x64x4,4096x64x4,4096x128x8",
-                        help="tile elements x most partial-sum rows x warps, comma list (ops/triton/gelu.Launch)")
+    parser = launch_bench_parser(__doc__, SHAPES, "4096x128x4,8192x256x8,4096x256x4,8192x128x8,2048x128x4,2048x64x4,4096x64x4,4096x128x8",
+                                 "tile elements x most partial-sum rows x warps [p: prefetch] (ops/triton/gelu.Launch)")
     args = parser.parse_args(argv)
 
     from hiera_autopatch.ops import step_graph

@@ -11,7 +11,6 @@ variant, and the bytes each must move at least (dy, x, d_res read, dx written) o
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import (  # noqa: E402
-    kernel_ms, record_best, record_step_totals, results_header, save_json, time_launches,
+    kernel_ms, launch_bench_parser, record_best, record_step_totals, results_header, save_json, time_launches,
 )
 
 # name -> (tokens per sample: 19 kept mask units at ratio 0.6, width, block LayerNorms a step)
@@ -34,15 +33,9 @@ SHAPES = {
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="cpu: a dry run in Triton's interpreter, fp32 (shows that the script runs)")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--variants", default="2x4096x2,1x4096x2,4x2048x2,8x2048x2,2x4096x2x8,4x2048x2x8,8x1024x2,2x4096x1",
-                        help="programs per SM x tile elements (rows a step x padded width) x 2 (sums per "
-                        "row slot) or 1 (column sums each step) [x warps], comma list (ops/triton/layer_norm.Launch)")
+    parser = launch_bench_parser(__doc__, SHAPES, "2x4096x2,1x4096x2,4x2048x2,8x2048x2,2x4096x2x8,4x2048x2x8,8x1024x2,2x4096x1",
+                                 "programs per SM x tile elements (rows a step x padded width) x 2 (sums per row slot) "
+                                 "or 1 (column sums each step) [x warps] [p: prefetch] (ops/triton/layer_norm.Launch)")
     parser.add_argument("--dx-sum", action="store_true",
                         help="also the dx column sums (the step's folded bias gradients), checked too")
     args = parser.parse_args(argv)
