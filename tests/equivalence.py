@@ -247,3 +247,17 @@ def fair_vs_compiled_tiny_mae(options=None):
     finally:
         hiera_autopatch.disable()
     return model, fair, compiled
+
+
+def outputs_and_grads(fns, x, modules, upstream) -> List[List[torch.Tensor]]:
+    """For each function: [output, x's grad, every parameter grad of ``modules``] of
+    ``fn(x).backward(upstream)``, from the same x and fresh grads (to compare eager with compiled)."""
+    results = []
+    for fn in fns:
+        params = [x.clone().requires_grad_(), *(p for m in modules for p in m.parameters())]
+        for p in params[1:]:
+            p.grad = None
+        out = fn(params[0])
+        out.backward(upstream)
+        results.append([out.detach()] + [p.grad.clone() for p in params])
+    return results

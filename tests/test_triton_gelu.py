@@ -100,6 +100,8 @@ def gelu_calls(monkeypatch):
 def test_cpu_gelu_mlp_gradients_match_plain_autograd(gelu_calls, bias):
     """timm's Mlp shape ``fc2(gelu(fc1(x)))`` through ``GeluMlp`` under Inductor (CPU): output,
     input grad and every weight grad as plain eager autograd's; the kernel only with a bias."""
+    from equivalence import outputs_and_grads
+
     from hiera_autopatch.ops import mlp
 
     torch.manual_seed(0)
@@ -110,14 +112,8 @@ def test_cpu_gelu_mlp_gradients_match_plain_autograd(gelu_calls, bias):
     def fused(x):
         return mlp.GeluMlp.apply(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
 
-    results = []
-    for fn in (lambda x: fc2(F.gelu(fc1(x))), torch.compile(fused, fullgraph=True)):
-        params = [x.clone().requires_grad_(), *fc1.parameters(), *fc2.parameters()]
-        for p in params[1:]:
-            p.grad = None
-        out = fn(params[0])
-        out.backward(upstream)
-        results.append([out.detach()] + [p.grad.clone() for p in params])
+    results = outputs_and_grads((lambda x: fc2(F.gelu(fc1(x))), torch.compile(fused, fullgraph=True)),
+                                x, (fc1, fc2), upstream)
     assert gelu_calls == ([(3, 10, 96)] if bias else [])
     for i, (actual, expected) in enumerate(zip(results[1], results[0])):
         assert_close(f"tensor {i}", actual, expected, torch.float32)

@@ -182,6 +182,8 @@ def fused_ln(monkeypatch):
 def test_cpu_fork_gradients_match_plain_autograd(fused_ln):
     """Two residual blocks ``x + lin(norm(x))`` through ``fork`` under Inductor (CPU), one norm
     whose residual output goes unused: output, input grad and every weight grad as eager's."""
+    from equivalence import outputs_and_grads
+
     from hiera_autopatch.ops import layer_norm
 
     torch.manual_seed(0)
@@ -198,15 +200,9 @@ def test_cpu_fork_gradients_match_plain_autograd(fused_ln):
 
     x = torch.randn(3, 10, 24)
     upstream = torch.randn(3, 10, 24)
-    results = []
-    for fn in (lambda x: blocks(x, lambda n, t: (t, n(t))),
-               torch.compile(lambda x: blocks(x, layer_norm.fork), fullgraph=True)):
-        params = [x.clone().requires_grad_(), *norm.parameters(), *lin.parameters()]
-        for p in params[1:]:
-            p.grad = None
-        out = fn(params[0])
-        out.backward(upstream)
-        results.append([out.detach()] + [p.grad.clone() for p in params])
+    results = outputs_and_grads((lambda x: blocks(x, lambda n, t: (t, n(t))),
+                                 torch.compile(lambda x: blocks(x, layer_norm.fork), fullgraph=True)),
+                                x, (norm, lin), upstream)
     assert len(fused_ln) == 2
     names = ["out", "dx", "norm.weight", "norm.bias", "lin.weight", "lin.bias"]
     for name, actual, expected in zip(names, results[1], results[0]):
