@@ -590,6 +590,33 @@ def test_bench_weight_grads_orders_give_the_same_gradient():
     assert not bench.VARIANTS["Xt_dY_T"](dy, x).is_contiguous()  # the transposed view, as timed
 
 
+def test_bench_dw_overlap_chain_computes_the_block_backward_it_times():
+    """scripts/bench_dw_overlap.py's chain: every variant computes the same numbers, and the fc1
+    weight gradient it writes is dh^T xn2 for GELU's gradient dh of fc1's output (CPU, fp32)."""
+    import torch
+
+    bench = _load_script("bench_dw_overlap")
+    torch.manual_seed(0)
+    chain = bench.BlockChain(rows=12, width=8, blocks=2, device="cpu", dtype=torch.float32)
+    outs = {}
+    for variant in bench.VARIANTS:
+        outs[variant] = [chain.run(variant)] + chain.weight_grads()
+    for variant in bench.VARIANTS[1:]:
+        for got, want in zip(outs[variant], outs["serial"]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    last = chain.blocks[-1]
+    d_out = chain.d_out  # the last block's incoming gradient is the first's output: recompute it
+    for b in chain.blocks[:-1]:
+        d_act = d_out @ b["w2"]
+        dh = torch.ops.aten.gelu_backward(d_act, b["h"])
+        dx2 = chain._ln_backward(dh @ b["w1"], b, "2") + d_out
+        dqkv = b["qkv"] * (dx2 @ b["wproj"]).repeat(1, 3)
+        d_out = chain._ln_backward(dqkv @ b["wqkv"], b, "1") + dx2
+    dh = torch.ops.aten.gelu_backward(d_out @ last["w2"], last["h"])
+    torch.testing.assert_close(last["dw1"], dh.t() @ last["xn2"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last["dw2"], d_out.t() @ torch.nn.functional.gelu(last["h"]), rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_bench_scripts_dry_run_in_the_interpreter(tmp_path):
     """scripts/bench_layer_norm.py and bench_gelu.py on the CPU (``--device cpu``: Triton's
     interpreter, fp32, one small shape): every launch variant is checked against Inductor's result
