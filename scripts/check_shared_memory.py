@@ -55,7 +55,10 @@ def compile_sm90(kernel, dtype: str, constexprs: dict, num_warps: int, num_stage
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    params = list(inspect.signature(kernel.fn).parameters)
+    parameters = inspect.signature(kernel.fn).parameters
+    params = list(parameters)
+    constexprs = {**{name: p.default for name, p in parameters.items()  # defaults (PDL=False)
+                     if p.default is not inspect.Parameter.empty}, **constexprs}
     signature = {}
     for name in params:
         if name in constexprs:

@@ -60,7 +60,7 @@ INDUCTOR_SWITCHES = {
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
             "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", "fused_ln", "inductor_ln",
-            "ln_variant", "no_dx_sum", "inductor_gelu", "gelu_variant", "side_dw", *INDUCTOR_SWITCHES)
+            "ln_variant", "no_dx_sum", "inductor_gelu", "gelu_variant", "side_dw", "pdl_ours", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -92,7 +92,8 @@ def parse_mode(mode: str) -> dict:
     inductor_gelu (the MLP's GELU backward and fc1's bias gradient in Inductor's kernels, not ours:
     ops/mlp.fused_gelu_backward), gelu_variant (our GELU backward launched as ``--gelu-variant``
     says), side_dw (the backward's weight-gradient GEMMs on a second stream, joined
-    ``--side-dw-lag`` weight gradients later: ops/weight_grads.py),
+    ``--side-dw-lag`` weight gradients later: ops/weight_grads.py), pdl_ours (our Triton kernels
+    with programmatic dependent launch: ops/triton/_runtime.PDL),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
     """
@@ -344,6 +345,7 @@ def main(argv=None) -> int:
     from hiera_autopatch.ops import patch_embed as patch_embed_ops
     from hiera_autopatch.ops import step_graph
     from hiera_autopatch.ops import weight_grads as weight_grad_ops
+    from hiera_autopatch.ops.triton import _runtime as triton_runtime
     from hiera_autopatch.ops.triton import gelu as triton_gelu
     from hiera_autopatch.ops.triton import layer_norm as triton_layer_norm
     from hiera_autopatch.ops.triton import window_attention
@@ -364,6 +366,7 @@ def main(argv=None) -> int:
     shipped_dx_sums = layer_norm_ops.dx_sums
     shipped_fused_gelu = mlp_ops.fused_gelu_backward
     shipped_side_dw, shipped_lag = weight_grad_ops.side_stream, weight_grad_ops.LAG
+    shipped_pdl = triton_runtime.PDL
     tuning = tuned_blocks(args.attention_tuning) if args.attention_tuning else {}
     model, x = build(args)
     results = {
@@ -392,6 +395,7 @@ def main(argv=None) -> int:
         mlp_ops.fused_gelu_backward = shipped_fused_gelu and "inductor_gelu" not in spec["switches"]
         weight_grad_ops.side_stream = shipped_side_dw or "side_dw" in spec["switches"]
         weight_grad_ops.LAG = args.side_dw_lag if "side_dw" in spec["switches"] else shipped_lag
+        triton_runtime.PDL = shipped_pdl or "pdl_ours" in spec["switches"]
         triton_gelu.LAUNCH = gelu_variant_launch if "gelu_variant" in spec["switches"] else shipped_gelu_launch
         layer_norm_ops.fused_backward = ("fused_ln" in spec["switches"]
                                          or (shipped_fused_ln and "inductor_ln" not in spec["switches"]))

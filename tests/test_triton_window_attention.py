@@ -402,7 +402,7 @@ def kernel_bias_grads(monkeypatch):
 
 
 @cpu_only
-def test_cpu_mae_through_the_kernel_under_inductor_matches_fair(monkeypatch, kernel_bias_grads):
+def test_cpu_mae_through_the_kernel_under_inductor_matches_fair(kernel_bias_grads):
     """As above, compiled by Inductor itself (CPU code around the interpreted kernel), which
     partitions the joint graph its own way: the custom ops with the qkv bias's gradient (counted)
     give FAIR's outputs and gradients. ``fallback_random``: the mask from eager's RNG, as FAIR's."""
@@ -411,14 +411,16 @@ def test_cpu_mae_through_the_kernel_under_inductor_matches_fair(monkeypatch, ker
     import hiera_autopatch
     from equivalence import assert_equivalent, fair_model, input_for, run_step
 
-    monkeypatch.setattr(inductor_config, "fallback_random", True)
     torch.manual_seed(0)
     model = fair_model("mae", "tiny", stages=(1, 1, 1, 1))
     x = input_for(model)
     with hiera_autopatch.disabled():
         fair = run_step(model, x, lambda m, x: m(x))
     torch._dynamo.reset()
-    compiled = run_step(model, x, torch.compile(lambda m, x: m(x), fullgraph=True))
+    # config.patch, not monkeypatch: monkeypatch's undo deletes a config entry it did not see as an
+    # attribute, and every later compile in the process then fails on the missing option
+    with inductor_config.patch(fallback_random=True):
+        compiled = run_step(model, x, torch.compile(lambda m, x: m(x), fullgraph=True))
     assert_equivalent(fair, compiled, 1e-5, 1e-4)
     assert len(kernel_bias_grads) == 5  # one per attention layer: 4 encoder stages, 1 decoder block
 

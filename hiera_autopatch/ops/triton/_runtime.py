@@ -19,6 +19,42 @@ except Exception:  # pragma: no cover - depends on the environment
     tl = None
     HAS_TRITON = False
 
+try:  # grid dependency control (programmatic dependent launch), Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except Exception:  # pragma: no cover - depends on the environment
+    gdc_wait = gdc_launch_dependents = None
+
+PDL = False
+"""Our kernels launched with programmatic dependent launch (Hopper and later, as Inductor's own
+kernels in the graphed step): a kernel may be scheduled while the one before it finishes, and waits
+(``griddepcontrol.wait``) before it touches memory. Off by default until timed on the step
+(``scripts/profile_step.py``'s ``+pdl_ours``)."""
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Launch this tensor's kernels with programmatic dependent launch: ``PDL`` on, a CUDA tensor
+    on a GPU of compute capability 9 or later, Triton's grid dependency control present, and not
+    in the interpreter."""
+    return (PDL and gdc_wait is not None and t.is_cuda and not interpreting()
+            and torch.cuda.get_device_capability(t.device)[0] >= 9)
+
+
+if HAS_TRITON and gdc_wait is not None:
+
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        """First statement of a kernel launched with ``launch_pdl=PDL``: wait until the kernel before
+        it has finished and its writes are visible, then let the kernel after it be scheduled."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+elif HAS_TRITON:  # pragma: no cover - old Triton: never launched with PDL (``pdl`` is False)
+
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        pass
+
 
 def interpreting() -> bool:
     """TRITON_INTERPRET=1: kernels run on the CPU in Triton's interpreter (tests)."""

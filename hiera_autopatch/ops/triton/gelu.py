@@ -31,6 +31,7 @@ import torch
 from ._runtime import HAS_TRITON, launch_fields, tl, triton
 from ._runtime import interpreting as _interpreting
 from ._runtime import on_device as _on_device
+from ._runtime import pdl as _pdl
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SQRT1_2 = math.sqrt(0.5)
@@ -65,16 +66,19 @@ the first, 8192x256x8)."""
 
 
 if HAS_TRITON:
+    from ._runtime import pdl_start
 
     @triton.jit
     def _gelu_bwd_bias_kernel(
         DACT, H, ACT, DH, PART, n_rows, rows_per_program,
         F: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-        SQRT1_2: tl.constexpr, BETA: tl.constexpr, PREFETCH: tl.constexpr,
+        SQRT1_2: tl.constexpr, BETA: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False,
     ):
         # Rows [pid_r * rows_per_program, ...) x columns [pid_c * BLOCK_C, ...) of d_act, h, act,
         # dh: (n_rows, F), contiguous. PART (row programs, F) fp32: this program's column sums of dh.
         # PREFETCH: each tile's h and d_act are loaded one tile ahead (masked past the rows).
+        # PDL: launched with programmatic dependent launch (_runtime.pdl_start).
+        pdl_start(PDL)
         pid_r = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # (BLOCK_C,)
         c_ok = cols < F
@@ -112,8 +116,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _column_sums_kernel(PART, OUT, n_parts, F: tl.constexpr, BLOCK_P: tl.constexpr,
-                            BLOCK_W: tl.constexpr):
+                            BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
         # PART (n_parts, F) fp32 -> OUT (F,): the column sums, rows added in order.
+        pdl_start(PDL)
         cols = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)  # (BLOCK_W,)
         c_ok = cols < F
         total = tl.zeros([BLOCK_W], tl.float32)
@@ -161,14 +166,15 @@ def gelu_backward_bias(d_act: torch.Tensor, h: torch.Tensor
     dh = torch.empty_like(h2)
     part = torch.empty(n_parts, width, device=h.device, dtype=torch.float32)  # every row written
     db = torch.empty(width, device=h.device, dtype=h.dtype)
+    pdl = _pdl(h)
     with _on_device(h):
         _gelu_bwd_bias_kernel[(n_parts, triton.cdiv(width, block_c))](
             d_act2, h2, act, dh, part, n_rows, rows_per_program,
             F=width, BLOCK_R=block_r, BLOCK_C=block_c, SQRT1_2=_SQRT1_2, BETA=_BETA,
-            PREFETCH=LAUNCH.prefetch, num_warps=LAUNCH.num_warps,
+            PREFETCH=LAUNCH.prefetch, PDL=pdl, num_warps=LAUNCH.num_warps, launch_pdl=pdl,
         )
         _column_sums_kernel[(triton.cdiv(width, 32),)](part, db, n_parts, F=width, BLOCK_P=64, BLOCK_W=32,
-                                                        num_warps=4)
+                                                        PDL=pdl, num_warps=4, launch_pdl=pdl)
     return act.view(h.shape), dh.view(h.shape), db
 
 

@@ -24,6 +24,7 @@ import torch
 from ._runtime import HAS_TRITON, launch_fields, tl, triton
 from ._runtime import interpreting as _interpreting
 from ._runtime import on_device as _on_device
+from ._runtime import pdl as _pdl
 
 MAX_WIDTH = 4096  # one row in registers: BLOCK_C = next_pow2(C) <= 4096
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -63,6 +64,7 @@ norms (benchmarks/results/h100_bench_layer_norm_variants.json: 1.98 ms a step ag
 
 
 if HAS_TRITON:
+    from ._runtime import pdl_start
 
     @triton.jit
     def _load_row_step(DY, X, MEAN, RSTD, DRES, r0, end, cols, c_ok, C: tl.constexpr,
@@ -89,6 +91,7 @@ if HAS_TRITON:
         n_rows, rows_per_program,
         C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_RES: tl.constexpr,
         ACC_2D: tl.constexpr, DX_SUM: tl.constexpr, PARTS: tl.constexpr, PREFETCH: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         # Rows [pid * rows_per_program, ...) of dy, x, d_res, dx: (n_rows, C), contiguous.
         # PART (programs, 2*C or 3*C) fp32: this program's sums of dy*xhat (columns 0..C), dy
@@ -96,6 +99,8 @@ if HAS_TRITON:
         # output's gradient dx is); PARTS: 3 with DX_SUM, else 2. PREFETCH: each step's tiles are
         # loaded one step ahead (registers hold two steps' inputs), so a program's few steps do not
         # each wait for their loads; without it the loads are issued at the step that uses them.
+        # PDL: launched with programmatic dependent launch (_runtime.pdl_start).
+        pdl_start(PDL)
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_C)  # (BLOCK_C,)
         c_ok = cols < C
@@ -169,9 +174,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _sum_parts_kernel(PART, DW, DB, DS, n_parts, C: tl.constexpr, PARTS: tl.constexpr,
-                          BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr):
+                          BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
         # PART (n_parts, PARTS*C) fp32 -> its column sums: columns 0..C to DW, C..2C to DB and,
         # with PARTS 3, 2C..3C to DS.
+        pdl_start(PDL)
         cols = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)  # (BLOCK_W,) of PARTS*C
         c_ok = cols < PARTS * C
         total = tl.zeros([BLOCK_W], tl.float32)
@@ -236,15 +242,18 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, r
     db = torch.empty(C, device=x.device, dtype=weight.dtype)
     ds = torch.empty(C, device=x.device, dtype=x.dtype) if dx_sum else db  # (not written without)
     block_w = 32  # columns a finishing program: parts*C/32 programs over the partial rows
+    pdl = _pdl(x)
     with _on_device(x):
         _layer_norm_bwd_kernel[(programs,)](
             dy2, x2, mean.reshape(-1), rstd.reshape(-1), weight, res2, dx, part,
             n_rows, rows_per_program,
             C=C, BLOCK_R=block_r, BLOCK_C=block_c, HAS_RES=d_res is not None, ACC_2D=LAUNCH.acc_2d,
-            DX_SUM=dx_sum, PARTS=parts, PREFETCH=LAUNCH.prefetch, num_warps=LAUNCH.warps(block_r, block_c),
+            DX_SUM=dx_sum, PARTS=parts, PREFETCH=LAUNCH.prefetch, PDL=pdl,
+            num_warps=LAUNCH.warps(block_r, block_c), launch_pdl=pdl,
         )
         _sum_parts_kernel[(triton.cdiv(parts * C, block_w),)](
-            part, dw, db, ds, programs, C=C, PARTS=parts, BLOCK_P=128, BLOCK_W=block_w, num_warps=4,
+            part, dw, db, ds, programs, C=C, PARTS=parts, BLOCK_P=128, BLOCK_W=block_w, PDL=pdl,
+            num_warps=4, launch_pdl=pdl,
         )
     if dx_sum:
         return dx.view(x.shape), dw, db, ds

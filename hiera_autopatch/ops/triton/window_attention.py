@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from ._runtime import HAS_TRITON, tl, triton
 from ._runtime import interpreting as _interpreting
 from ._runtime import on_device as _on_device
+from ._runtime import pdl as _pdl
 
 POOL_MODES = ("max", "amax")
 MAX_HEAD_DIM = 128  # BLOCK_D = next_pow2(D) <= 128 keeps the q/k/v tiles in registers/shared
@@ -76,6 +77,7 @@ def window_attention_reference(
 # ------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from ._runtime import pdl_start
     # finite "minus infinity" for masked scores: a fully masked row gives finite weights, never NaN
     _MASKED = tl.constexpr(-1.0e30)
 
@@ -167,8 +169,9 @@ if HAS_TRITON:
         NW, n_groups, n_q_blocks, qk_scale,
         H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        pdl_start(PDL)  # PDL: launched with programmatic dependent launch (_runtime.pdl_start)
         Tq: tl.constexpr = T // S
         ROW: tl.constexpr = 3 * H * D  # qkv row stride (elements)
         OUT_ROW: tl.constexpr = H * D  # out row stride
@@ -227,8 +230,9 @@ if HAS_TRITON:
         H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         POOL_AMAX: tl.constexpr, SINGLE_KV: tl.constexpr, BIAS_GRAD: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        pdl_start(PDL)
         # One key block: dk, dv over all query blocks that see it. SINGLE_KV (the group's keys fit
         # this one block): each query row's P is complete here, so also delta and dq.
         # BIAS_GRAD: the column sums of the dq, dk, dv it writes go to DBIAS (rows, 3*H*D) fp32,
@@ -306,8 +310,9 @@ if HAS_TRITON:
     def _window_attention_bwd_delta_kernel(
         DOUT, OUT, DELTA, NW, n_rows,
         H: tl.constexpr, D: tl.constexpr, Tq: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        pdl_start(PDL)
         # delta = rowsum(dout * out) per (query, head), for backward when keys span several blocks.
         # dout, out: (B, Tq*nw, H*D), row tq*nw + w; delta: (B, H, nw, Tq) fp32.
         h = tl.program_id(1)
@@ -332,7 +337,9 @@ if HAS_TRITON:
         H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         POOL_AMAX: tl.constexpr, BIAS_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        pdl_start(PDL)
         # One query block: dq over the key blocks it sees (only when keys span several blocks).
         # BIAS_GRAD: the column sums of the dq it writes go to DBIAS, as in the dk/dv kernel.
         Tq: tl.constexpr = T // S
@@ -546,13 +553,14 @@ def window_attention_forward(
     n_q_blocks = triton.cdiv(G * Tq, BM)
     grid = (B * n_groups * heads * n_q_blocks,)
     sm_scale = D ** -0.5
+    pdl = _pdl(qkv)
     with _on_device(qkv):
         _window_attention_fwd_kernel[grid](
             qkv, out, lse,
             num_windows, n_groups, n_q_blocks, sm_scale * _LOG2E,
             H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
-            DOT_PRECISION=_dot_precision(qkv.dtype), num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
+            DOT_PRECISION=_dot_precision(qkv.dtype), PDL=pdl, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"], launch_pdl=pdl,
         )
     return out, lse
 
@@ -610,10 +618,11 @@ def window_attention_backward(
     n_groups, n_k_blocks, n_q_blocks, part_blocks = _backward_blocks(cfg, num_windows, T, Tq)
     single_kv = backward_is_single_pass(cfg, T)
     sm_scale = D ** -0.5
+    pdl = _pdl(qkv)
     common = dict(H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
                   POOL_AMAX=pool == "amax", BIAS_GRAD=bias_part is not None,
-                  DOT_PRECISION=_dot_precision(qkv.dtype),
-                  num_warps=cfg["num_warps_bwd"], num_stages=cfg["num_stages_bwd"])
+                  DOT_PRECISION=_dot_precision(qkv.dtype), PDL=pdl,
+                  num_warps=cfg["num_warps_bwd"], num_stages=cfg["num_stages_bwd"], launch_pdl=pdl)
     part = dqkv if bias_part is None else bias_part  # (a pointer the kernels then never touch)
     with _on_device(qkv):
         if single_kv:
@@ -625,7 +634,7 @@ def window_attention_backward(
             block_r = 64
             _window_attention_bwd_delta_kernel[(triton.cdiv(n_rows, block_r), heads)](
                 dout, out, delta, num_windows, n_rows,
-                H=heads, D=D, Tq=Tq, BLOCK_R=block_r, BLOCK_D=BD, num_warps=4,
+                H=heads, D=D, Tq=Tq, BLOCK_R=block_r, BLOCK_D=BD, PDL=pdl, num_warps=4, launch_pdl=pdl,
             )
         _window_attention_bwd_dkdv_kernel[(B * n_groups * heads * n_k_blocks,)](
             qkv, dout, lse, delta, dqkv, part,
