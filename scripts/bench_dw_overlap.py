@@ -24,6 +24,11 @@ dqkv stands in): this bounds what overlap can do around the GEMMs, LayerNorm and
 
 Prints JSON: per stage the median ms of each variant and what the side stream saves over the
 stage's blocks; the sum over the step's blocks.
+
+H100, session 23 (benchmarks/results/failed/h100_bench_dw_overlap.json): 20.86 ms a step's
+blocks on one stream, 21.67 with all four weight gradients on the side (stage 3 -0.12 ms, the
+decoder +0.91: its large GEMMs on two streams compete for the SMs). The graphed step with the same
+move (a post-grad pass, commit 1576980) did not change (failed/h100_profile_side_dw_pdl.json).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ INDUCTOR_SWITCHES = {
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
             "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", "fused_ln", "inductor_ln",
-            "ln_variant", "no_dx_sum", "inductor_gelu", "gelu_variant", "side_dw", "pdl_ours", *INDUCTOR_SWITCHES)
+            "ln_variant", "no_dx_sum", "inductor_gelu", "gelu_variant", "pdl_ours", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -91,8 +91,7 @@ def parse_mode(mode: str) -> dict:
     LayerNorm's input gradient as Inductor's reductions, not from that kernel: ops/layer_norm.dx_sums),
     inductor_gelu (the MLP's GELU backward and fc1's bias gradient in Inductor's kernels, not ours:
     ops/mlp.fused_gelu_backward), gelu_variant (our GELU backward launched as ``--gelu-variant``
-    says), side_dw (the backward's weight-gradient GEMMs on a second stream, joined
-    ``--side-dw-lag`` weight gradients later: ops/weight_grads.py), pdl_ours (our Triton kernels
+    says), pdl_ours (our Triton kernels
     with programmatic dependent launch: ops/triton/_runtime.PDL),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
@@ -325,8 +324,6 @@ def main(argv=None) -> int:
                         "(scripts/bench_layer_norm.py's variants); other modes: ops/triton/layer_norm.py's")
     parser.add_argument("--gelu-variant", help="our GELU backward's launch in modes with +gelu_variant, e.g. 4096x128x4: "
                         "tile elements x most partial-sum rows x warps (scripts/bench_gelu.py's variants)")
-    parser.add_argument("--side-dw-lag", type=int, default=4,
-                        help="modes with +side_dw: a weight gradient's join waits this many weight gradients later")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
@@ -344,7 +341,6 @@ def main(argv=None) -> int:
     from hiera_autopatch.ops import layer_norm as layer_norm_ops
     from hiera_autopatch.ops import patch_embed as patch_embed_ops
     from hiera_autopatch.ops import step_graph
-    from hiera_autopatch.ops import weight_grads as weight_grad_ops
     from hiera_autopatch.ops.triton import _runtime as triton_runtime
     from hiera_autopatch.ops.triton import gelu as triton_gelu
     from hiera_autopatch.ops.triton import layer_norm as triton_layer_norm
@@ -365,7 +361,6 @@ def main(argv=None) -> int:
     shipped_fused_ln = layer_norm_ops.fused_backward
     shipped_dx_sums = layer_norm_ops.dx_sums
     shipped_fused_gelu = mlp_ops.fused_gelu_backward
-    shipped_side_dw, shipped_lag = weight_grad_ops.side_stream, weight_grad_ops.LAG
     shipped_pdl = triton_runtime.PDL
     tuning = tuned_blocks(args.attention_tuning) if args.attention_tuning else {}
     model, x = build(args)
@@ -375,7 +370,6 @@ def main(argv=None) -> int:
         "steps": args.steps,
         "ln_variant": args.ln_variant or "shipped",
         "gelu_variant": args.gelu_variant or "shipped",
-        "side_dw_lag": args.side_dw_lag,
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
         "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
         "source_digest": _bench_report.source_digest(),  # the package code that ran (git's HEAD may not be it)
@@ -393,8 +387,6 @@ def main(argv=None) -> int:
         attention_ops.fused_bias_grad = "kernel_bias_grad" in spec["switches"]
         layer_norm_ops.dx_sums = shipped_dx_sums and "no_dx_sum" not in spec["switches"]
         mlp_ops.fused_gelu_backward = shipped_fused_gelu and "inductor_gelu" not in spec["switches"]
-        weight_grad_ops.side_stream = shipped_side_dw or "side_dw" in spec["switches"]
-        weight_grad_ops.LAG = args.side_dw_lag if "side_dw" in spec["switches"] else shipped_lag
         triton_runtime.PDL = shipped_pdl or "pdl_ours" in spec["switches"]
         triton_gelu.LAUNCH = gelu_variant_launch if "gelu_variant" in spec["switches"] else shipped_gelu_launch
         layer_norm_ops.fused_backward = ("fused_ln" in spec["switches"]

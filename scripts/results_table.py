@@ -88,7 +88,7 @@ SWITCH_LABELS = {
     "ln_variant": "block LayerNorm backward at the --ln-variant launch",
     "inductor_gelu": "MLP GELU backward and fc1 bias gradients in Inductor's kernels",
     "gelu_variant": "GELU backward at the --gelu-variant launch",
-    "side_dw": "weight-gradient GEMMs on a second stream",
+    "side_dw": "weight-gradient GEMMs on a second stream (session 23, removed)",
     "pdl_ours": "our Triton kernels with programmatic dependent launch",
     "no_dx_sum": "bias gradients that sum a block LayerNorm's input gradient as Inductor's reductions",
     "coop": "Inductor cooperative reductions",

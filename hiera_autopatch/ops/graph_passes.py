@@ -12,11 +12,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 
-def custom_pass(passes: Sequence[Callable[[torch.fx.Graph], object]], files: Sequence[str],
-                settings: str = "") -> Optional[object]:
+def custom_pass(passes: Sequence[Callable[[torch.fx.Graph], object]], files: Sequence[str]) -> Optional[object]:
     """``passes`` (each takes the post-grad graph and edits it in place) as one Inductor
-    ``CustomGraphPass``; None where this torch has no such class. ``settings``: what else changes
-    the passes' output (module constants), added to the uuid."""
+    ``CustomGraphPass``; None where this torch has no such class."""
     try:
         from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
     except ImportError:
@@ -28,6 +26,6 @@ def custom_pass(passes: Sequence[Callable[[torch.fx.Graph], object]], files: Seq
                 run(graph)
 
         def uuid(self) -> bytes:
-            return get_hash_for_files((__file__, *files)) + settings.encode()
+            return get_hash_for_files((__file__, *files))
 
     return StepPasses()

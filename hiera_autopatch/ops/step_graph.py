@@ -74,32 +74,21 @@ def default_options() -> Dict[str, object]:
       32.7 / 32.7 ms with them, 31.5 / 32.5 without, A/B/A/B in one run
       (benchmarks/results/h200_profile_mix_split.json);
     - a post-grad pass (``layer_norm.fold_dx_sums``) that takes the bias gradients summing a block
-      LayerNorm's input gradient from our LayerNorm backward kernel, where the user set none;
-      with ``weight_grads.side_stream`` (off by default) a second one that moves the weight
-      gradients to a side stream (``weight_grads.split_weight_grads``).
+      LayerNorm's input gradient from our LayerNorm backward kernel, where the user set none.
     """
     import torch._inductor.config as inductor_config
 
-    from . import graph_passes, layer_norm, weight_grads
-    from .triton import layer_norm as triton_layer_norm
+    from . import layer_norm
 
     options: Dict[str, object] = {}
     if hasattr(inductor_config.triton, "enable_pdl"):
         options["triton.enable_pdl"] = True
     if hasattr(inductor_config.triton, "mix_order_reduction"):
         options["triton.mix_order_reduction"] = False
-    passes, files, settings = [], [], ""
-    if layer_norm.dx_sums:
-        passes.append(layer_norm.fold_dx_sums)
-        files += [layer_norm.__file__, triton_layer_norm.__file__]
-    if weight_grads.side_stream:
-        passes.append(weight_grads.split_weight_grads)
-        files.append(weight_grads.__file__)
-        settings += f"side_dw_lag={weight_grads.LAG}"
-    if passes and getattr(inductor_config, "post_grad_custom_post_pass", True) is None:
-        step_passes = graph_passes.custom_pass(passes, files, settings)
-        if step_passes is not None:
-            options["post_grad_custom_post_pass"] = step_passes
+    if layer_norm.dx_sums and getattr(inductor_config, "post_grad_custom_post_pass", True) is None:
+        folding = layer_norm.dx_sums_pass()
+        if folding is not None:
+            options["post_grad_custom_post_pass"] = folding
     return options
 
 WARMUP_RUNS = 2
