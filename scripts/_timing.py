@@ -59,17 +59,23 @@ def save_json(path, results: dict) -> None:
             json.dump(results, fh, indent=1)
 
 
-def launch_bench_parser(doc: str, shapes, variants: str, variants_help: str):
-    """The command line the launch benchmarks share (bench_layer_norm.py, bench_gelu.py):
-    --json, --batch, --device (cpu: a dry run in Triton's interpreter), --shapes, --variants."""
+def bench_parser(doc: str, shapes, cpu_help: str = "a dry run in Triton's interpreter, fp32"):
+    """The command line the shape benchmarks share: --json, --batch, --device (cpu: ``cpu_help``,
+    which shows that the script runs), --shapes (comma list of ``shapes``)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--json")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="cpu: a dry run in Triton's interpreter, fp32 (shows that the script runs)")
+                        help=f"cpu: {cpu_help} (shows that the script runs)")
     parser.add_argument("--shapes", default=",".join(shapes))
+    return parser
+
+
+def launch_bench_parser(doc: str, shapes, variants: str, variants_help: str):
+    """``bench_parser`` plus --variants: the launch benchmarks' (bench_layer_norm.py, bench_gelu.py)."""
+    parser = bench_parser(doc, shapes)
     parser.add_argument("--variants", default=variants, help=variants_help + ", comma list")
     return parser
 

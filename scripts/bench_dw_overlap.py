@@ -20,7 +20,7 @@ the streams share no allocator state. Each variant is captured in one CUDA graph
 variants interleaved over ``--rounds``. Attention's own kernels are left out (a pointwise pass over
 dqkv stands in): this bounds what overlap can do around the GEMMs, LayerNorm and GELU only.
 
-    python scripts/bench_dw_overlap.py --json out.json [--stages stage3,decoder]
+    python scripts/bench_dw_overlap.py --json out.json [--shapes stage3,decoder]
 
 Prints JSON: per stage the median ms of each variant and what the side stream saves over the
 stage's blocks; the sum over the step's blocks.
@@ -33,7 +33,6 @@ move (a post-grad pass, commit 1576980) did not change (failed/h100_profile_side
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -41,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import graph_replay_ms, results_header, save_json  # noqa: E402
+from _timing import bench_parser, graph_replay_ms, results_header, save_json  # noqa: E402
 
 # name -> (tokens per sample, width C, blocks a step): 19 kept mask units at mask ratio 0.6
 STAGES = {
@@ -133,12 +132,7 @@ class BlockChain:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="cpu: a dry run, fp32, 2 samples (shows that the script runs)")
-    parser.add_argument("--stages", default=",".join(STAGES))
+    parser = bench_parser(__doc__, STAGES, cpu_help="fp32, 2 samples")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
 
@@ -148,7 +142,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     results = results_header(batch, device)
     totals = dict.fromkeys(VARIANTS, 0.0)
-    for name in args.stages.split(","):
+    for name in args.shapes.split(","):
         tokens, width, blocks = STAGES[name]
         chain = BlockChain(batch * tokens, width, blocks, device, dtype)
         reference = None
