@@ -60,7 +60,7 @@ INDUCTOR_SWITCHES = {
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
             "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", "fused_ln", "inductor_ln",
-            "ln_variant", "no_dx_sum", "inductor_gelu", "gelu_variant", "pdl_ours", *INDUCTOR_SWITCHES)
+            "ln_variant", "no_dx_sum", "inductor_gelu", "gelu_variant", "gelu_by_width", "pdl_ours", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 
 
@@ -91,6 +91,7 @@ def parse_mode(mode: str) -> dict:
     LayerNorm's input gradient as Inductor's reductions, not from that kernel: ops/layer_norm.dx_sums),
     inductor_gelu (the MLP's GELU backward and fc1's bias gradient in Inductor's kernels, not ours:
     ops/mlp.fused_gelu_backward), gelu_variant (our GELU backward launched as ``--gelu-variant``
+    says), gelu_by_width (our GELU backward launched per row width as ops/triton/gelu.BEST_BY_WIDTH
     says), pdl_ours (our Triton kernels
     with programmatic dependent launch: ops/triton/_runtime.PDL),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
@@ -362,6 +363,7 @@ def main(argv=None) -> int:
     shipped_dx_sums = layer_norm_ops.dx_sums
     shipped_fused_gelu = mlp_ops.fused_gelu_backward
     shipped_pdl = triton_runtime.PDL
+    shipped_gelu_by_width = dict(triton_gelu.LAUNCH_BY_WIDTH)
     tuning = tuned_blocks(args.attention_tuning) if args.attention_tuning else {}
     model, x = build(args)
     results = {
@@ -388,6 +390,8 @@ def main(argv=None) -> int:
         layer_norm_ops.dx_sums = shipped_dx_sums and "no_dx_sum" not in spec["switches"]
         mlp_ops.fused_gelu_backward = shipped_fused_gelu and "inductor_gelu" not in spec["switches"]
         triton_runtime.PDL = shipped_pdl or "pdl_ours" in spec["switches"]
+        triton_gelu.LAUNCH_BY_WIDTH = (dict(triton_gelu.BEST_BY_WIDTH) if "gelu_by_width" in spec["switches"]
+                                       else shipped_gelu_by_width)
         triton_gelu.LAUNCH = gelu_variant_launch if "gelu_variant" in spec["switches"] else shipped_gelu_launch
         layer_norm_ops.fused_backward = ("fused_ln" in spec["switches"]
                                          or (shipped_fused_ln and "inductor_ln" not in spec["switches"]))

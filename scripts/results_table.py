@@ -90,6 +90,7 @@ SWITCH_LABELS = {
     "gelu_variant": "GELU backward at the --gelu-variant launch",
     "side_dw": "weight-gradient GEMMs on a second stream (session 23, removed)",
     "pdl_ours": "our Triton kernels with programmatic dependent launch",
+    "gelu_by_width": "GELU backward launched per row width (gelu.BEST_BY_WIDTH)",
     "no_dx_sum": "bias gradients that sum a block LayerNorm's input gradient as Inductor's reductions",
     "coop": "Inductor cooperative reductions",
     "aggressive": "Inductor aggressive fusion",

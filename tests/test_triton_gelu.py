@@ -68,6 +68,21 @@ def test_gpu_kernel_matches_aten(monkeypatch, rows, width, dtype, launch):
     check(rows, width, dtype, "cuda")
 
 
+@cpu_only
+@pytest.mark.parametrize("rows,width", [(37, 96), (130, 384), (70, 512)])
+def test_cpu_launch_by_width_is_used_and_matches_aten(monkeypatch, rows, width):
+    """``LAUNCH_BY_WIDTH``: rows of a listed width take that launch (its tile), others ``LAUNCH``;
+    both match ATen. The shipped table is empty; ``BEST_BY_WIDTH`` parses back to its own text."""
+    assert tgelu.LAUNCH_BY_WIDTH == {}
+    other = tgelu.Launch.parse("1024x64x4p")
+    monkeypatch.setattr(tgelu, "LAUNCH_BY_WIDTH", {width: other})
+    assert tgelu.launch_for(width) is other and tgelu.launch_for(width + 1) is tgelu.LAUNCH
+    assert tgelu.tile(width) == tgelu.tile(width, other) != tgelu.tile(width, tgelu.LAUNCH)
+    check(rows, width, torch.float32, "cpu")
+    for launch in tgelu.BEST_BY_WIDTH.values():
+        assert tgelu.Launch.parse(str(launch)) == launch
+
+
 def test_tiles_cover_hiera_widths():
     t = tgelu.LAUNCH.tile_elements
     assert tgelu.tile(384) == (t // 128, 128)  # 3 full column tiles, not 2 with one half empty

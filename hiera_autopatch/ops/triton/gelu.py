@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -63,6 +63,23 @@ class Launch:
 LAUNCH = Launch()
 """The shipped launch (benchmarks/results/h100_bench_gelu.json: 3.17 ms a step against 3.98 for
 the first, 8192x256x8)."""
+
+LAUNCH_BY_WIDTH: Dict[int, Launch] = {}
+"""Launches for some row widths (fc1's output width), over ``LAUNCH``; empty as shipped.
+``BEST_BY_WIDTH`` is the per-width pick of session 21's sweep, for A/Bs
+(``scripts/profile_step.py``'s ``+gelu_by_width``)."""
+
+BEST_BY_WIDTH: Dict[int, Launch] = {
+    # h100_bench_gelu.json, Hiera-B MAE's MLPs at batch 128: ~0.29 ms a step over LAUNCH, isolated
+    384: Launch(4096, 128, 8), 768: Launch(4096, 128, 8),  # stages 1-2
+    1536: Launch(2048, 128, 4),  # stage 3
+    2048: Launch(2048, 64, 4), 3072: Launch(2048, 64, 4),  # decoder, stage 4
+}
+
+
+def launch_for(width: int) -> Launch:
+    """The launch for rows of ``width``: ``LAUNCH_BY_WIDTH``'s, else ``LAUNCH``."""
+    return LAUNCH_BY_WIDTH.get(width, LAUNCH)
 
 
 if HAS_TRITON:
@@ -145,7 +162,7 @@ def tile(width: int, launch: Optional[Launch] = None) -> Tuple[int, int]:
     block_c = min(256, _next_pow2(width))
     if width % block_c and width % 128 == 0:
         block_c = 128
-    return max(1, (launch or LAUNCH).tile_elements // block_c), block_c
+    return max(1, (launch or launch_for(width)).tile_elements // block_c), block_c
 
 
 def gelu_backward_bias(d_act: torch.Tensor, h: torch.Tensor
@@ -157,9 +174,10 @@ def gelu_backward_bias(d_act: torch.Tensor, h: torch.Tensor
     h2 = h.reshape(-1, width).contiguous()  # (N, F)
     d_act2 = d_act.reshape(-1, width).to(h.dtype).contiguous()
     n_rows = h2.shape[0]
-    block_r, block_c = tile(width)
+    launch = launch_for(width)
+    block_r, block_c = tile(width, launch)
     row_steps = triton.cdiv(n_rows, block_r)
-    parts_max = LAUNCH.max_parts if h.is_cuda else 3  # the interpreter: a few programs, several steps each
+    parts_max = launch.max_parts if h.is_cuda else 3  # the interpreter: a few programs, several steps each
     rows_per_program = triton.cdiv(row_steps, min(row_steps, parts_max)) * block_r
     n_parts = triton.cdiv(n_rows, rows_per_program)
     act = torch.empty_like(h2)
@@ -171,7 +189,7 @@ def gelu_backward_bias(d_act: torch.Tensor, h: torch.Tensor
         _gelu_bwd_bias_kernel[(n_parts, triton.cdiv(width, block_c))](
             d_act2, h2, act, dh, part, n_rows, rows_per_program,
             F=width, BLOCK_R=block_r, BLOCK_C=block_c, SQRT1_2=_SQRT1_2, BETA=_BETA,
-            PREFETCH=LAUNCH.prefetch, PDL=pdl, num_warps=LAUNCH.num_warps, launch_pdl=pdl,
+            PREFETCH=launch.prefetch, PDL=pdl, num_warps=launch.num_warps, launch_pdl=pdl,
         )
         _column_sums_kernel[(triton.cdiv(width, 32),)](part, db, n_parts, F=width, BLOCK_P=64, BLOCK_W=32,
                                                         PDL=pdl, num_warps=4, launch_pdl=pdl)
