@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from . import graph_passes, mlp
+from . import mlp
 from .triton import layer_norm as triton_layer_norm
 
 fused_backward = True
@@ -150,6 +150,18 @@ def fold_dx_sums(graph: torch.fx.Graph) -> int:
 
 
 def dx_sums_pass() -> Optional[object]:
-    """``fold_dx_sums`` as an Inductor ``CustomGraphPass`` (its uuid: this file's and the kernel's
-    hash, for the FX graph cache); None where this torch has no such class."""
-    return graph_passes.custom_pass([fold_dx_sums], [__file__, triton_layer_norm.__file__])
+    """``fold_dx_sums`` as an Inductor ``CustomGraphPass`` (its uuid: this file's hash, for the FX
+    graph cache); None where this torch has no such class."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+    except ImportError:
+        return None
+
+    class FoldDxSums(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            fold_dx_sums(graph)
+
+        def uuid(self) -> bytes:
+            return get_hash_for_files((__file__, triton_layer_norm.__file__))
+
+    return FoldDxSums()
