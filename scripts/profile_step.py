@@ -92,8 +92,7 @@ def parse_mode(mode: str) -> dict:
     inductor_gelu (the MLP's GELU backward and fc1's bias gradient in Inductor's kernels, not ours:
     ops/mlp.fused_gelu_backward), gelu_variant (our GELU backward launched as ``--gelu-variant``
     says), gelu_by_width (our GELU backward launched per row width as ops/triton/gelu.BEST_BY_WIDTH
-    says), pdl_ours (our Triton kernels
-    with programmatic dependent launch: ops/triton/_runtime.PDL),
+    says), pdl_ours (our Triton kernels with programmatic dependent launch: ops/triton/_runtime.PDL),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
     """

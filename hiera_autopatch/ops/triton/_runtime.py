@@ -19,7 +19,7 @@ except Exception:  # pragma: no cover - depends on the environment
     tl = None
     HAS_TRITON = False
 
-try:  # grid dependency control (programmatic dependent launch), Triton >= 3.3
+try:  # grid dependency control (programmatic dependent launch); absent from older Triton
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except Exception:  # pragma: no cover - depends on the environment
     gdc_wait = gdc_launch_dependents = None
