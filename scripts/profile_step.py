@@ -60,8 +60,11 @@ INDUCTOR_SWITCHES = {
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
             "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", "fused_ln", "inductor_ln",
-            "ln_variant", "no_dx_sum", "inductor_gelu", "gelu_variant", "gelu_by_width", "pdl_ours", *INDUCTOR_SWITCHES)
+            "ln_variant", "no_dx_sum", "inductor_gelu", "gelu_variant", "gelu_by_width", "pdl_ours",
+            "keep_act", "keep_act_all", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
+KEEP_ACT_DECODER = frozenset({2048})  # +keep_act: the MAE decoder's MLP (512 -> 2048)
+KEEP_ACT_ALL = frozenset({384, 768, 1536, 3072, 2048})  # +keep_act_all: Hiera-B's four stages and the decoder
 
 
 def parse_mode(mode: str) -> dict:
@@ -93,6 +96,8 @@ def parse_mode(mode: str) -> dict:
     ops/mlp.fused_gelu_backward), gelu_variant (our GELU backward launched as ``--gelu-variant``
     says), gelu_by_width (our GELU backward launched per row width as ops/triton/gelu.BEST_BY_WIDTH
     says), pdl_ours (our Triton kernels with programmatic dependent launch: ops/triton/_runtime.PDL),
+    keep_act / keep_act_all (the MLP's forward keeps GELU's output for backward instead of
+    recomputing it, ops/mlp.keep_act_widths: the MAE decoder's width 2048 / every Hiera-B MAE width),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
     """
@@ -363,6 +368,7 @@ def main(argv=None) -> int:
     shipped_fused_gelu = mlp_ops.fused_gelu_backward
     shipped_pdl = triton_runtime.PDL
     shipped_gelu_by_width = dict(triton_gelu.LAUNCH_BY_WIDTH)
+    shipped_keep_act = mlp_ops.keep_act_widths
     tuning = tuned_blocks(args.attention_tuning) if args.attention_tuning else {}
     model, x = build(args)
     results = {
@@ -389,6 +395,8 @@ def main(argv=None) -> int:
         layer_norm_ops.dx_sums = shipped_dx_sums and "no_dx_sum" not in spec["switches"]
         mlp_ops.fused_gelu_backward = shipped_fused_gelu and "inductor_gelu" not in spec["switches"]
         triton_runtime.PDL = shipped_pdl or "pdl_ours" in spec["switches"]
+        mlp_ops.keep_act_widths = (KEEP_ACT_ALL if "keep_act_all" in spec["switches"]
+                                   else KEEP_ACT_DECODER if "keep_act" in spec["switches"] else shipped_keep_act)
         triton_gelu.LAUNCH_BY_WIDTH = (dict(triton_gelu.BEST_BY_WIDTH) if "gelu_by_width" in spec["switches"]
                                        else shipped_gelu_by_width)
         triton_gelu.LAUNCH = gelu_variant_launch if "gelu_variant" in spec["switches"] else shipped_gelu_launch

@@ -30,7 +30,10 @@ def assert_same(a, b, atol, rtol):
     "dtype, atol, rtol", [(torch.float32, 1e-5, 1e-5), (torch.float64, 1e-12, 1e-12), (torch.bfloat16, 2e-2, 2e-2)]
 )
 @pytest.mark.parametrize("shape", [(2, 7, 12), (5, 12)])
-def test_gelu_mlp_matches_timm_mlp(dtype, atol, rtol, shape):
+@pytest.mark.parametrize("keep_act", [False, True], ids=["recompute", "keep-act"])
+def test_gelu_mlp_matches_timm_mlp(monkeypatch, dtype, atol, rtol, shape, keep_act):
+    """Recomputing GELU in backward, or keeping the forward's (``keep_act_widths``): timm's results."""
+    monkeypatch.setattr(mlp_ops, "keep_act_widths", frozenset({48} if keep_act else ()))
     torch.manual_seed(0)
     module = Mlp(12, 48).to(dtype)
     x = torch.randn(*shape, dtype=dtype)
@@ -96,6 +99,17 @@ def test_gelu_mlp_saves_one_hidden_tensor_less():
     activations_timm = saved_bytes(module, x) - weight_bytes
     activations_ours = saved_bytes(lambda t: mlp_ops.gelu_mlp(module, t), x) - weight_bytes
     assert activations_timm - activations_ours == hidden_bytes
+
+
+def test_gelu_mlp_keeps_act_only_for_listed_widths(monkeypatch):
+    """``keep_act_widths``: a listed hidden width saves GELU's output as timm's Mlp does; others not."""
+    module = Mlp(16, 64)
+    x = torch.randn(10, 16, requires_grad=True)
+    activations_timm = saved_bytes(module, x)
+    monkeypatch.setattr(mlp_ops, "keep_act_widths", frozenset({64}))
+    assert saved_bytes(lambda t: mlp_ops.gelu_mlp(module, t), x) == activations_timm
+    monkeypatch.setattr(mlp_ops, "keep_act_widths", frozenset({128}))
+    assert activations_timm - saved_bytes(lambda t: mlp_ops.gelu_mlp(module, t), x) == 10 * 64 * 4
 
 
 def test_recompute_only_under_compile():

@@ -35,6 +35,10 @@ def check(rows, width, dtype, device, seed=0):
     assert_close("ATen dh", torch.ops.aten.gelu_backward(d_act, h), torch.ops.aten.gelu_backward(d_act64, h64), dtype)
     # the bias gradient is autograd's sum of the stored dh: against its fp64 sum
     assert_close("db", db, dh.double().sum(0), dtype, aten=dh.sum(0))
+    # without GELU's output (a forward kept it): the same gradients, bit for bit, and no act
+    no_act, dh_only, db_only = tgelu.gelu_backward_bias(d_act, h, store_act=False)
+    assert no_act is None
+    assert torch.equal(dh_only, dh) and torch.equal(db_only, db)
 
 
 @cpu_only
@@ -101,9 +105,9 @@ def gelu_calls(monkeypatch):
     calls = []
     original = tgelu.gelu_backward_bias
 
-    def counted(d_act, h):
-        calls.append(tuple(h.shape))
-        return original(d_act, h)
+    def counted(d_act, h, store_act=True):
+        calls.append(tuple(h.shape) if store_act else ("kept act", *h.shape))
+        return original(d_act, h, store_act)
 
     monkeypatch.setattr(tgelu, "gelu_backward_bias", counted)
     yield calls
@@ -112,13 +116,16 @@ def gelu_calls(monkeypatch):
 
 @cpu_only
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-def test_cpu_gelu_mlp_gradients_match_plain_autograd(gelu_calls, bias):
+@pytest.mark.parametrize("keep_act", [False, True], ids=["recompute", "keep-act"])
+def test_cpu_gelu_mlp_gradients_match_plain_autograd(monkeypatch, gelu_calls, bias, keep_act):
     """timm's Mlp shape ``fc2(gelu(fc1(x)))`` through ``GeluMlp`` under Inductor (CPU): output,
-    input grad and every weight grad as plain eager autograd's; the kernel only with a bias."""
+    input grad and every weight grad as plain eager autograd's; the kernel only with a bias, and
+    without writing GELU's output where the forward kept it (``keep_act_widths``)."""
     from equivalence import outputs_and_grads
 
     from hiera_autopatch.ops import mlp
 
+    monkeypatch.setattr(mlp, "keep_act_widths", frozenset({96} if keep_act else ()))
     torch.manual_seed(0)
     fc1, fc2 = torch.nn.Linear(24, 96, bias=bias), torch.nn.Linear(96, 24, bias=bias)
     x = torch.randn(3, 10, 24)
@@ -129,7 +136,7 @@ def test_cpu_gelu_mlp_gradients_match_plain_autograd(gelu_calls, bias):
 
     results = outputs_and_grads((lambda x: fc2(F.gelu(fc1(x))), torch.compile(fused, fullgraph=True)),
                                 x, (fc1, fc2), upstream)
-    assert gelu_calls == ([(3, 10, 96)] if bias else [])
+    assert gelu_calls == ([("kept act", 3, 10, 96) if keep_act else (3, 10, 96)] if bias else [])
     for i, (actual, expected) in enumerate(zip(results[1], results[0])):
         assert_close(f"tensor {i}", actual, expected, torch.float32)
 

@@ -36,6 +36,12 @@ fused_gelu_backward = True
 (``triton/gelu.py``) where it can. False: Inductor's kernels, the bias gradient a second pass
 over fc1's output gradient (``scripts/profile_step.py``'s ``+inductor_gelu``)."""
 
+keep_act_widths: frozenset = frozenset()
+"""Hidden widths (fc1's output features) whose GELU output the forward keeps for fc2's weight
+gradient instead of recomputing it in backward: the backward kernel then skips writing it again
+(one hidden-size pass less) at the cost of that tensor's memory until backward. Empty as shipped;
+``scripts/profile_step.py``'s ``+keep_act`` (the MAE decoder's 2048) and ``+keep_act_all`` time it."""
+
 
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     try:
@@ -89,15 +95,18 @@ class GeluMlp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2):
         hidden = F.linear(x, w1, b1)  # (..., Hid)
-        out = F.linear(F.gelu(hidden), w2, b2)  # (..., C)
-        ctx.save_for_backward(x, hidden, w1, w2)
+        act = F.gelu(hidden)  # (..., Hid)
+        out = F.linear(act, w2, b2)  # (..., C)
+        keep_act = hidden.shape[-1] in keep_act_widths
+        ctx.save_for_backward(x, hidden, w1, w2, *([act] if keep_act else []))
         ctx.has_bias = (b1 is not None, b2 is not None)
         ctx.fused_gelu = fused_gelu_backward and torch.compiler.is_compiling()  # our kernel: compiled only
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        x, hidden, w1, w2 = ctx.saved_tensors
+        x, hidden, w1, w2, *kept = ctx.saved_tensors
+        act = kept[0] if kept else None  # GELU's output, if the forward kept it
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad
         with torch.autocast(d_out.device.type, enabled=False):
             d_out2 = d_out.reshape(-1, d_out.shape[-1])  # (M, C)
@@ -107,12 +116,17 @@ class GeluMlp(torch.autograd.Function):
                 d_b2 = d_out2.sum(0)
             d_act = d_out.matmul(w2)  # (..., Hid): GELU's output gradient
             if ctx.fused_gelu and need_w2 and need_b1 and ctx.has_bias[0] and triton_gelu.supports(hidden):
-                # one kernel: GELU recomputed, its gradient, and fc1's bias gradient (its column sums)
-                act, d_hidden, d_b1 = triton_gelu.gelu_backward_bias_op(d_act, hidden)
+                # one kernel: GELU's gradient, fc1's bias gradient (its column sums) and, unless the
+                # forward kept it, GELU recomputed
+                if act is None:
+                    act, d_hidden, d_b1 = triton_gelu.gelu_backward_bias_op(d_act, hidden)
+                else:
+                    d_hidden, d_b1 = triton_gelu.gelu_grad_bias_op(d_act, hidden)
                 d_w2 = d_out2.t().mm(act.reshape(-1, act.shape[-1]))  # (C, Hid)
             else:
                 if need_w2:
-                    d_w2 = d_out2.t().mm(F.gelu(hidden2))  # (C, Hid), GELU recomputed
+                    act2 = F.gelu(hidden2) if act is None else act.reshape(hidden2.shape)  # (M, Hid)
+                    d_w2 = d_out2.t().mm(act2)  # (C, Hid)
                 d_hidden = torch.ops.aten.gelu_backward(d_act, hidden)  # (..., Hid)
                 if need_b1 and ctx.has_bias[0]:
                     d_b1 = d_hidden.reshape(-1, d_hidden.shape[-1]).sum(0)

@@ -90,11 +90,13 @@ if HAS_TRITON:
         DACT, H, ACT, DH, PART, n_rows, rows_per_program,
         F: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
         SQRT1_2: tl.constexpr, BETA: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False,
+        STORE_ACT: tl.constexpr = True,
     ):
         # Rows [pid_r * rows_per_program, ...) x columns [pid_c * BLOCK_C, ...) of d_act, h, act,
         # dh: (n_rows, F), contiguous. PART (row programs, F) fp32: this program's column sums of dh.
         # PREFETCH: each tile's h and d_act are loaded one tile ahead (masked past the rows).
-        # PDL: launched with programmatic dependent launch (_runtime.pdl_start).
+        # PDL: launched with programmatic dependent launch (_runtime.pdl_start). STORE_ACT False: act
+        # is not written (the forward kept GELU's output; ACT is then any pointer, never touched).
         pdl_start(PDL)
         pid_r = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # (BLOCK_C,)
@@ -122,11 +124,12 @@ if HAS_TRITON:
                 h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
                 d_act = tl.load(DACT + offs, mask=mask, other=0.0).to(tl.float32)
             erf = tl.math.erf(h * SQRT1_2)
-            act = h * 0.5 * (1.0 + erf)
             cdf = 0.5 * (1.0 + erf)
             pdf = BETA * tl.exp(h * h * -0.5)
             dh = (d_act * (cdf + h * pdf)).to(DH.dtype.element_ty)
-            tl.store(ACT + offs, act.to(ACT.dtype.element_ty), mask=mask)
+            if STORE_ACT:
+                act = h * 0.5 * (1.0 + erf)
+                tl.store(ACT + offs, act.to(ACT.dtype.element_ty), mask=mask)
             tl.store(DH + offs, dh, mask=mask)
             total += dh.to(tl.float32)  # masked slots: h = d_act = 0, so dh = 0
         tl.store(PART + pid_r.to(tl.int64) * F + cols, tl.sum(total, 0), mask=c_ok)
@@ -165,11 +168,12 @@ def tile(width: int, launch: Optional[Launch] = None) -> Tuple[int, int]:
     return max(1, (launch or launch_for(width)).tile_elements // block_c), block_c
 
 
-def gelu_backward_bias(d_act: torch.Tensor, h: torch.Tensor
-                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gelu_backward_bias(d_act: torch.Tensor, h: torch.Tensor, store_act: bool = True
+                       ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """-> (gelu(h), d_act * gelu'(h), that gradient's sum over all but the last dim) for the exact
     GELU; the first two in h's shape and dtype, the sum (F,) in h's dtype (autograd's ``sum(0)`` of
-    the stored gradient, accumulated in fp32)."""
+    the stored gradient, accumulated in fp32). ``store_act=False``: GELU's output is neither
+    written nor returned (None), for a forward that kept it."""
     width = h.shape[-1]
     h2 = h.reshape(-1, width).contiguous()  # (N, F)
     d_act2 = d_act.reshape(-1, width).to(h.dtype).contiguous()
@@ -180,8 +184,8 @@ def gelu_backward_bias(d_act: torch.Tensor, h: torch.Tensor
     parts_max = launch.max_parts if h.is_cuda else 3  # the interpreter: a few programs, several steps each
     rows_per_program = triton.cdiv(row_steps, min(row_steps, parts_max)) * block_r
     n_parts = triton.cdiv(n_rows, rows_per_program)
-    act = torch.empty_like(h2)
     dh = torch.empty_like(h2)
+    act = torch.empty_like(h2) if store_act else dh  # not stored: any pointer will do
     part = torch.empty(n_parts, width, device=h.device, dtype=torch.float32)  # every row written
     db = torch.empty(width, device=h.device, dtype=h.dtype)
     pdl = _pdl(h)
@@ -189,11 +193,11 @@ def gelu_backward_bias(d_act: torch.Tensor, h: torch.Tensor
         _gelu_bwd_bias_kernel[(n_parts, triton.cdiv(width, block_c))](
             d_act2, h2, act, dh, part, n_rows, rows_per_program,
             F=width, BLOCK_R=block_r, BLOCK_C=block_c, SQRT1_2=_SQRT1_2, BETA=_BETA,
-            PREFETCH=launch.prefetch, PDL=pdl, num_warps=launch.num_warps, launch_pdl=pdl,
+            PREFETCH=launch.prefetch, PDL=pdl, STORE_ACT=store_act, num_warps=launch.num_warps, launch_pdl=pdl,
         )
         _column_sums_kernel[(triton.cdiv(width, 32),)](part, db, n_parts, F=width, BLOCK_P=64, BLOCK_W=32,
                                                         PDL=pdl, num_warps=4, launch_pdl=pdl)
-    return act.view(h.shape), dh.view(h.shape), db
+    return (act.view(h.shape) if store_act else None), dh.view(h.shape), db
 
 
 @torch.library.custom_op("hiera_autopatch::gelu_backward_bias", mutates_args=())
@@ -207,3 +211,15 @@ def gelu_backward_bias_op(d_act: torch.Tensor, h: torch.Tensor
 def _gelu_backward_bias_shapes(d_act, h):
     act = torch.empty_like(h, memory_format=torch.contiguous_format)
     return act, torch.empty_like(act), h.new_empty(h.shape[-1:])
+
+
+@torch.library.custom_op("hiera_autopatch::gelu_grad_bias", mutates_args=())
+def gelu_grad_bias_op(d_act: torch.Tensor, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``gelu_backward_bias`` without GELU's output, for a forward that kept it: (dh, db)."""
+    _, dh, db = gelu_backward_bias(d_act, h, store_act=False)
+    return dh, db
+
+
+@gelu_grad_bias_op.register_fake
+def _gelu_grad_bias_shapes(d_act, h):
+    return torch.empty_like(h, memory_format=torch.contiguous_format), h.new_empty(h.shape[-1:])
