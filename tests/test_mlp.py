@@ -170,3 +170,21 @@ def test_fair_block_patch_saves_less_and_matches(monkeypatch):
     assert g_fair.keys() == g_ours.keys()
     for name in g_fair:
         torch.testing.assert_close(g_ours[name], g_fair[name], atol=1e-6, rtol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("keep_act", [False, True], ids=["recompute", "keep-act"])
+def test_compiled_gelu_mlp_saves_act_only_when_kept(monkeypatch, keep_act):
+    """Under torch.compile, Inductor's partitioner chooses what the compiled forward saves: the kept
+    GELU output must stay saved (not be recomputed from fc1's output), and without it only one
+    hidden-size tensor is saved."""
+    monkeypatch.setattr(mlp_ops, "keep_act_widths", frozenset({256} if keep_act else ()))
+    torch._dynamo.reset()
+    fc1, fc2 = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+    x = torch.randn(512, 64, requires_grad=True)
+    compiled = torch.compile(lambda t: mlp_ops.GeluMlp.apply(t, fc1.weight, fc1.bias, fc2.weight, fc2.bias),
+                             fullgraph=True)
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (shapes.append(tuple(t.shape)), t)[1], lambda t: t):
+        compiled(x)
+    torch._dynamo.reset()
+    assert shapes.count((512, 256)) == (2 if keep_act else 1)
