@@ -124,11 +124,11 @@ if HAS_TRITON:
                 h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
                 d_act = tl.load(DACT + offs, mask=mask, other=0.0).to(tl.float32)
             erf = tl.math.erf(h * SQRT1_2)
+            act = h * 0.5 * (1.0 + erf)
             cdf = 0.5 * (1.0 + erf)
             pdf = BETA * tl.exp(h * h * -0.5)
             dh = (d_act * (cdf + h * pdf)).to(DH.dtype.element_ty)
             if STORE_ACT:
-                act = h * 0.5 * (1.0 + erf)
                 tl.store(ACT + offs, act.to(ACT.dtype.element_ty), mask=mask)
             tl.store(DH + offs, dh, mask=mask)
             total += dh.to(tl.float32)  # masked slots: h = d_act = 0, so dh = 0
