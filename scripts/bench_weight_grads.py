@@ -7,7 +7,11 @@ gradient's copy into ``.grad`` would then do the transpose. This times both (and
 order plus an explicit ``.contiguous()``) per Hiera-B Linear shape, each variant replayed from a
 CUDA graph of ``--reps`` calls, rounds interleaved. Prints JSON.
 
-    python scripts/bench_weight_grads.py --json out.json
+``--batched`` adds ``bmm_per_block``: a stage's same-shaped weight gradients (one per block) as one
+``bmm`` over stacked operands, its time divided by the blocks. It tells what deferring a stage's
+weight gradients to one batched GEMM could win before anything is built (the stacking is not timed).
+
+    python scripts/bench_weight_grads.py --json out.json [--batched]
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json")
+    parser.add_argument("--batched", action="store_true", help="also time each stage's blocks as one bmm")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_weight_grads: needs a CUDA GPU", file=sys.stderr)
@@ -77,7 +82,7 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = {"command": " ".join(sys.argv), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                "reps": args.reps, "rounds": args.rounds, "shapes": {}}
-    saving = 0.0
+    saving = saving_batched = 0.0
     for name, tokens, d_in, d_out, calls in linears():
         dy = torch.randn(tokens, d_out, device="cuda", dtype=torch.bfloat16, generator=gen)
         x = torch.randn(tokens, d_in, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -87,14 +92,23 @@ def main(argv=None) -> int:
             errors[variant] = float((fn(dy, x).float() - reference).abs().max())
             graph, sample = graph_ms(lambda fn=fn: fn(dy, x), args.reps)
             samplers[variant] = (graph, sample)
-        times = {variant: [] for variant in VARIANTS}
+        if args.batched:
+            dys = torch.stack([dy] * calls)  # (blocks, T, out); block 0 is dy, the rest copies
+            xs = torch.stack([x] * calls)  # (blocks, T, in)
+            batched = lambda: torch.bmm(dys.transpose(1, 2), xs)  # (blocks, out, in)
+            errors["bmm_per_block"] = float((batched()[0].float() - reference).abs().max())
+            graph, sample = graph_ms(batched, args.reps)
+            samplers["bmm_per_block"] = (graph, lambda sample=sample: sample() / calls)
+        times = {variant: [] for variant in samplers}
         for _ in range(args.rounds):
             for variant, (_, sample) in samplers.items():
                 times[variant].append(sample())
         median = {variant: sorted(t)[len(t) // 2] for variant, t in times.items()}
         gflop = 2 * tokens * d_in * d_out / 1e9
-        best = min(median, key=median.get)
+        best = min(VARIANTS, key=median.get)  # operand orders only
         saving += calls * (median["dYt_X"] - median[best])
+        if args.batched:
+            saving_batched += calls * (median["dYt_X"] - median["bmm_per_block"])
         results["shapes"][name] = {
             "tokens": tokens, "in": d_in, "out": d_out, "calls_per_step": calls, "gflop": gflop,
             "ms": median, "tflop_per_s": {v: gflop / ms for v, ms in median.items()},
@@ -104,7 +118,9 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
         del samplers
     results["saving_ms_per_step_best_order"] = saving
-    print(json.dumps({"saving_ms_per_step_best_order": saving}))
+    if args.batched:
+        results["saving_ms_per_step_batched"] = saving_batched
+    print(json.dumps({k: v for k, v in results.items() if k.startswith("saving_")}))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)
