@@ -17,7 +17,9 @@ The formulas are the ones Inductor and ATen use for the exact (erf) GELU, in fp3
 ``cdf = 0.5 * (1 + erf(h / sqrt2))`` and ``pdf = exp(-h^2 / 2) / sqrt(2 pi)``.
 
 Chain: kernels -> ``gelu_backward_bias`` (launcher) -> custom op ``hiera_autopatch::gelu_backward_bias``
-(opaque to torch.compile, captured by CUDA graphs) -> ``ops/mlp.GeluMlp.backward``.
+(opaque to torch.compile, captured by CUDA graphs) -> ``ops/mlp.GeluMlp.backward``. Where the forward
+kept GELU's output (``ops/mlp.keep_act_widths``), ``hiera_autopatch::gelu_grad_bias`` runs the same
+kernel without writing it.
 """
 
 from __future__ import annotations
