@@ -82,11 +82,14 @@ def launch_bench_parser(doc: str, shapes, variants: str, variants_help: str):
 
 def time_launches(kernel_module, variants, run, expected, entry: dict, device: str = "cuda") -> None:
     """Each launch variant (``kernel_module.Launch``'s text) of one shape: ``kernel_module.LAUNCH``
-    set to it, ``run()``'s outputs checked against ``expected`` (relative L2 error each), timed
-    (``kernel_ms``) when every error is within 2e-2, else recorded untimed (None); the shipped
-    launch restored."""
+    set to it (and a ``LAUNCH_BY_WIDTH`` table, which would override it, emptied), ``run()``'s
+    outputs checked against ``expected`` (relative L2 error each), timed (``kernel_ms``) when every
+    error is within 2e-2, else recorded untimed (None); the shipped launches restored."""
     shipped = kernel_module.LAUNCH
+    shipped_by_width = getattr(kernel_module, "LAUNCH_BY_WIDTH", None)
     try:
+        if shipped_by_width is not None:
+            kernel_module.LAUNCH_BY_WIDTH = {}
         for variant in variants:
             kernel_module.LAUNCH = kernel_module.Launch.parse(variant)
             errors = [float((g.float() - e.float()).norm() / e.float().norm()) for g, e in zip(run(), expected)]
@@ -94,6 +97,8 @@ def time_launches(kernel_module, variants, run, expected, entry: dict, device: s
             entry[f"ours_{variant}_ms"] = kernel_ms(run, device) if max(errors) <= 2e-2 else None
     finally:
         kernel_module.LAUNCH = shipped
+        if shipped_by_width is not None:
+            kernel_module.LAUNCH_BY_WIDTH = shipped_by_width
     entry["shipped"] = str(shipped)
 
 

@@ -60,7 +60,7 @@ INDUCTOR_SWITCHES = {
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
             "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", "fused_ln", "inductor_ln",
-            "ln_variant", "no_dx_sum", "inductor_gelu", "gelu_variant", "gelu_by_width", "pdl_ours",
+            "ln_variant", "no_dx_sum", "inductor_gelu", "gelu_variant", "gelu_by_width", "gelu_one_launch", "pdl_ours",
             "keep_act", "keep_act_all", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 KEEP_ACT_DECODER = frozenset({2048})  # +keep_act: the MAE decoder's MLP (512 -> 2048)
@@ -94,8 +94,9 @@ def parse_mode(mode: str) -> dict:
     LayerNorm's input gradient as Inductor's reductions, not from that kernel: ops/layer_norm.dx_sums),
     inductor_gelu (the MLP's GELU backward and fc1's bias gradient in Inductor's kernels, not ours:
     ops/mlp.fused_gelu_backward), gelu_variant (our GELU backward launched as ``--gelu-variant``
-    says), gelu_by_width (our GELU backward launched per row width as ops/triton/gelu.BEST_BY_WIDTH
-    says), pdl_ours (our Triton kernels with programmatic dependent launch: ops/triton/_runtime.PDL),
+    says, at every width), gelu_by_width / gelu_one_launch (our GELU backward launched per row width
+    as ops/triton/gelu.BEST_BY_WIDTH says, shipped since session 26 / at gelu.LAUNCH for every
+    width), pdl_ours (our Triton kernels with programmatic dependent launch: ops/triton/_runtime.PDL),
     keep_act / keep_act_all (the MLP's forward keeps GELU's output for backward instead of
     recomputing it, ops/mlp.keep_act_widths: the MAE decoder's width 2048 / every Hiera-B MAE width),
     or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
@@ -397,8 +398,10 @@ def main(argv=None) -> int:
         triton_runtime.PDL = shipped_pdl or "pdl_ours" in spec["switches"]
         mlp_ops.keep_act_widths = (KEEP_ACT_ALL if "keep_act_all" in spec["switches"]
                                    else KEEP_ACT_DECODER if "keep_act" in spec["switches"] else shipped_keep_act)
-        triton_gelu.LAUNCH_BY_WIDTH = (dict(triton_gelu.BEST_BY_WIDTH) if "gelu_by_width" in spec["switches"]
-                                       else shipped_gelu_by_width)
+        triton_gelu.LAUNCH_BY_WIDTH = (
+            {} if {"gelu_one_launch", "gelu_variant"} & set(spec["switches"])
+            else dict(triton_gelu.BEST_BY_WIDTH) if "gelu_by_width" in spec["switches"]
+            else shipped_gelu_by_width)
         triton_gelu.LAUNCH = gelu_variant_launch if "gelu_variant" in spec["switches"] else shipped_gelu_launch
         layer_norm_ops.fused_backward = ("fused_ln" in spec["switches"]
                                          or (shipped_fused_ln and "inductor_ln" not in spec["switches"]))

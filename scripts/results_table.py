@@ -91,6 +91,7 @@ SWITCH_LABELS = {
     "side_dw": "weight-gradient GEMMs on a second stream (session 23, removed)",
     "pdl_ours": "our Triton kernels with programmatic dependent launch",
     "gelu_by_width": "GELU backward launched per row width (gelu.BEST_BY_WIDTH)",
+    "gelu_one_launch": "GELU backward at one launch for every row width (gelu.LAUNCH)",
     "keep_act": "the decoder MLPs keep GELU's output for backward",
     "keep_act_all": "every MLP keeps GELU's output for backward",
     "no_dx_sum": "bias gradients that sum a block LayerNorm's input gradient as Inductor's reductions",

@@ -617,10 +617,34 @@ def test_bench_dw_overlap_chain_computes_the_block_backward_it_times():
     torch.testing.assert_close(last["dw2"], d_out.t() @ torch.nn.functional.gelu(last["h"]), rtol=1e-5, atol=1e-5)
 
 
+def test_time_launches_times_each_variant_not_the_width_table(monkeypatch):
+    """A kernel module's ``LAUNCH_BY_WIDTH`` overrides ``LAUNCH`` for its widths: while the benches
+    time a variant the table is empty, so each variant runs (session 26's first GELU sweep on the
+    H200 ran the table's launches under every variant name). Both are restored after."""
+    import torch
+    from hiera_autopatch.ops.triton import gelu as tgelu
+
+    timing = _load_script("_timing")
+    table, shipped = tgelu.LAUNCH_BY_WIDTH, tgelu.LAUNCH
+    ran = []
+
+    def run():
+        ran.append(str(tgelu.launch_for(3072)))
+        return [torch.ones(2)]
+
+    monkeypatch.setattr(timing, "kernel_ms", lambda fn, device: 1.0)
+    entry = {}
+    timing.time_launches(tgelu, ["4096x128x4", "1024x64x4p"], run, [torch.ones(2)], entry, "cpu")
+    assert ran == ["4096x128x4", "1024x64x4p"]
+    assert entry["ours_4096x128x4_ms"] == entry["ours_1024x64x4p_ms"] == 1.0
+    assert tgelu.LAUNCH_BY_WIDTH is table and tgelu.LAUNCH is shipped and 3072 in table
+
+
 def test_kernel_bench_scripts_dry_run_in_the_interpreter(tmp_path):
     """scripts/bench_layer_norm.py and bench_gelu.py on the CPU (``--device cpu``: Triton's
     interpreter, fp32, one small shape): every launch variant is checked against Inductor's result
-    and gets a time, the shipped launch is named, and the step totals add up. A crash here would
+    and gets a time, the shipped launch is named (GELU's for the shape's width, 3072), and the step
+    totals add up. A crash here would
     otherwise cost a GPU session."""
     pytest.importorskip("triton")
     jobs = {
@@ -633,7 +657,7 @@ def test_kernel_bench_scripts_dry_run_in_the_interpreter(tmp_path):
     results = in_parallel({name: (lambda args=args: run_python(args, cwd=ROOT, env=env, timeout=600))
                            for name, args in jobs.items()})
     for name, shipped, variants in (("layer_norm", "2x4096x2", ("2x4096x2", "4x2048x2x8p")),
-                                    ("gelu", "4096x128x4", ("4096x128x4", "2048x64x4p"))):
+                                    ("gelu", "2048x64x4", ("4096x128x4", "2048x64x4p"))):
         assert results[name].returncode == 0, explain(results[name])
         report = json.loads((tmp_path / f"{name}.json").read_text())
         entry = report["shapes"]["stage4"]

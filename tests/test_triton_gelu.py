@@ -57,18 +57,21 @@ def test_cpu_prefetching_kernel_matches_aten(monkeypatch, rows, width, launch):
     """Each row tile's inputs loaded one tile ahead: programs of one tile, of several, and a last
     prefetch past the rows (fully masked)."""
     monkeypatch.setattr(tgelu, "LAUNCH", tgelu.Launch.parse(launch))
+    monkeypatch.setattr(tgelu, "LAUNCH_BY_WIDTH", {})  # its launches would override LAUNCH at 384
     check(rows, width, torch.float32, "cpu")
 
 
 @gpu_only
-@pytest.mark.parametrize("launch", ["4096x128x4", "2048x128x4p"])
+@pytest.mark.parametrize("launch", ["shipped", "4096x128x4", "2048x128x4p"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("rows,width", [(128 * 1216, 384), (128 * 304, 768), (128 * 76, 1536),
                                         (128 * 19, 3072), (128 * 196, 2048), (3, 56)])
 def test_gpu_kernel_matches_aten(monkeypatch, rows, width, dtype, launch):
     """Hiera-B MAE's MLPs at batch 128 (stages 1-4 at mask 0.6, decoder) and a tiny one; the shipped
-    launch and a prefetching one."""
-    monkeypatch.setattr(tgelu, "LAUNCH", tgelu.Launch.parse(launch))
+    launches (``LAUNCH_BY_WIDTH``'s for Hiera's widths), one launch for every width, a prefetching one."""
+    if launch != "shipped":
+        monkeypatch.setattr(tgelu, "LAUNCH", tgelu.Launch.parse(launch))
+        monkeypatch.setattr(tgelu, "LAUNCH_BY_WIDTH", {})
     check(rows, width, dtype, "cuda")
 
 
@@ -76,8 +79,8 @@ def test_gpu_kernel_matches_aten(monkeypatch, rows, width, dtype, launch):
 @pytest.mark.parametrize("rows,width", [(37, 96), (130, 384), (70, 512)])
 def test_cpu_launch_by_width_is_used_and_matches_aten(monkeypatch, rows, width):
     """``LAUNCH_BY_WIDTH``: rows of a listed width take that launch (its tile), others ``LAUNCH``;
-    both match ATen. The shipped table is empty; ``BEST_BY_WIDTH`` parses back to its own text."""
-    assert tgelu.LAUNCH_BY_WIDTH == {}
+    both match ATen. The shipped table is ``BEST_BY_WIDTH``, which parses back to its own text."""
+    assert tgelu.LAUNCH_BY_WIDTH == tgelu.BEST_BY_WIDTH
     other = tgelu.Launch.parse("1024x64x4p")
     monkeypatch.setattr(tgelu, "LAUNCH_BY_WIDTH", {width: other})
     assert tgelu.launch_for(width) is other and tgelu.launch_for(width + 1) is tgelu.LAUNCH
@@ -88,10 +91,12 @@ def test_cpu_launch_by_width_is_used_and_matches_aten(monkeypatch, rows, width):
 
 
 def test_tiles_cover_hiera_widths():
-    t = tgelu.LAUNCH.tile_elements
-    assert tgelu.tile(384) == (t // 128, 128)  # 3 full column tiles, not 2 with one half empty
-    assert tgelu.tile(2048) == (t // 256, 256)
+    launch = tgelu.LAUNCH
+    t = launch.tile_elements
+    assert tgelu.tile(384, launch) == (t // 128, 128)  # 3 full column tiles, not 2 with one half empty
+    assert tgelu.tile(2048, launch) == (t // 256, 256)
     assert tgelu.tile(40) == (t // 64, 64)
+    assert tgelu.tile(2048) == (tgelu.BEST_BY_WIDTH[2048].tile_elements // 256, 256)  # the shipped table's
     assert not tgelu.supports(torch.zeros(0, 8))
     assert not tgelu.supports(torch.ones(2, 8, dtype=torch.int32))
 

@@ -39,8 +39,10 @@ over fc1's output gradient (``scripts/profile_step.py``'s ``+inductor_gelu``).""
 keep_act_widths: frozenset = frozenset()
 """Hidden widths (fc1's output features) whose GELU output the forward keeps for fc2's weight
 gradient instead of recomputing it in backward: the backward kernel then skips writing it again
-(one hidden-size pass less) at the cost of that tensor's memory until backward. Empty as shipped;
-``scripts/profile_step.py``'s ``+keep_act`` (the MAE decoder's 2048) and ``+keep_act_all`` time it."""
+(one hidden-size pass less) at the cost of that tensor's memory until backward. Empty as shipped:
+keeping the decoder's (2048; ``scripts/profile_step.py``'s ``+keep_act``) was faster in one of two
+interleaved pairs on an H200, 29.99 / 30.95 ms against 31.26 / 30.90, for ~0.9 GiB more peak memory
+(session 26, h200_profile_pdl_gelu_keep_inductor.json). ``+keep_act_all`` keeps every width's."""
 
 
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:

@@ -27,8 +27,10 @@ except Exception:  # pragma: no cover - depends on the environment
 PDL = False
 """Our kernels launched with programmatic dependent launch (Hopper and later, as Inductor's own
 kernels in the graphed step): a kernel may be scheduled while the one before it finishes, and waits
-(``griddepcontrol.wait``) before it touches memory. Off by default until timed on the step
-(``scripts/profile_step.py``'s ``+pdl_ours``)."""
+(``griddepcontrol.wait``) before it touches memory. Off: in the graphed step it did not win, on an
+H100 32.37 / 32.16 ms against 32.36 / 32.46 (session 23), on an H200 31.71 / 30.92 against 31.26 /
+30.90 (session 26, h200_profile_pdl_gelu_keep_inductor.json; ``scripts/profile_step.py``'s
+``+pdl_ours``). Its GPU equivalence test passed on that H200."""
 
 
 def pdl(t: torch.Tensor) -> bool:

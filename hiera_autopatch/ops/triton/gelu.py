@@ -66,17 +66,22 @@ LAUNCH = Launch()
 """The shipped launch (benchmarks/results/h100_bench_gelu.json: 3.17 ms a step against 3.98 for
 the first, 8192x256x8)."""
 
-LAUNCH_BY_WIDTH: Dict[int, Launch] = {}
-"""Launches for some row widths (fc1's output width), over ``LAUNCH``; empty as shipped.
-``BEST_BY_WIDTH`` is the per-width pick of session 21's sweep, for A/Bs
-(``scripts/profile_step.py``'s ``+gelu_by_width``)."""
-
 BEST_BY_WIDTH: Dict[int, Launch] = {
     # h100_bench_gelu.json, Hiera-B MAE's MLPs at batch 128: ~0.29 ms a step over LAUNCH, isolated
     384: Launch(4096, 128, 8), 768: Launch(4096, 128, 8),  # stages 1-2
     1536: Launch(2048, 128, 4),  # stage 3
     2048: Launch(2048, 64, 4), 3072: Launch(2048, 64, 4),  # decoder, stage 4
 }
+"""The per-width pick of session 21's sweep on an H100."""
+
+LAUNCH_BY_WIDTH: Dict[int, Launch] = dict(BEST_BY_WIDTH)
+"""Launches for some row widths (fc1's output width), over ``LAUNCH``: ``BEST_BY_WIDTH`` as shipped
+(session 26). The graphed step on an H200 was faster with it in all four interleaved pairs, by
+0.22-1.66 ms (h200_profile_pdl_gelu_keep_inductor.json, h200_profile_gelu_by_width.json), and the
+bench 27.6 against 27.8 ms without a per-step sync, 28.5 against 28.5 with one, two runs on one
+machine (h200_bench_graphs_session26_gelu_by_width.json, h200_bench_graphs_session26.json): a small
+gain, not resolved beyond the pairs' spread. ``{}``: ``LAUNCH`` for every width
+(``scripts/profile_step.py``'s ``+gelu_one_launch``)."""
 
 
 def launch_for(width: int) -> Launch:
