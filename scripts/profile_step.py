@@ -60,7 +60,7 @@ INDUCTOR_SWITCHES = {
 }
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
             "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", "fused_ln", "inductor_ln",
-            "ln_variant", "no_dx_sum", "inductor_gelu", "gelu_variant", "gelu_by_width", "gelu_one_launch", "pdl_ours",
+            "ln_variant", "ln_by_width", "no_dx_sum", "inductor_gelu", "gelu_variant", "gelu_by_width", "gelu_one_launch", "pdl_ours",
             "keep_act", "keep_act_all", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 KEEP_ACT_DECODER = frozenset({2048})  # +keep_act: the MAE decoder's MLP (512 -> 2048)
@@ -90,7 +90,8 @@ def parse_mode(mode: str) -> dict:
     cuBLASLt: ``torch.backends.cuda.preferred_blas_library("cublaslt")``), fused_ln / inductor_ln (the
     blocks' LayerNorm backward in one pass with the residual's gradient, ops/layer_norm.fused_backward,
     on / off; neither: the shipped default), ln_variant (that backward launched as ``--ln-variant``
-    says; without it: the shipped launch), no_dx_sum (the bias gradients that sum a block
+    says at every width; without it: the shipped launch), ln_by_width (that backward launched per row
+    width as ops/triton/layer_norm.BEST_BY_WIDTH says), no_dx_sum (the bias gradients that sum a block
     LayerNorm's input gradient as Inductor's reductions, not from that kernel: ops/layer_norm.dx_sums),
     inductor_gelu (the MLP's GELU backward and fc1's bias gradient in Inductor's kernels, not ours:
     ops/mlp.fused_gelu_backward), gelu_variant (our GELU backward launched as ``--gelu-variant``
@@ -354,6 +355,7 @@ def main(argv=None) -> int:
 
     shipped_tuning = dict(window_attention.TUNED)
     shipped_ln_launch, shipped_gelu_launch = triton_layer_norm.LAUNCH, triton_gelu.LAUNCH
+    shipped_ln_by_width = dict(triton_layer_norm.LAUNCH_BY_WIDTH)
     try:
         ln_variant_launch = triton_layer_norm.Launch.parse(args.ln_variant) if args.ln_variant else shipped_ln_launch
         gelu_variant_launch = triton_gelu.Launch.parse(args.gelu_variant) if args.gelu_variant else shipped_gelu_launch
@@ -406,6 +408,10 @@ def main(argv=None) -> int:
         layer_norm_ops.fused_backward = ("fused_ln" in spec["switches"]
                                          or (shipped_fused_ln and "inductor_ln" not in spec["switches"]))
         triton_layer_norm.LAUNCH = ln_variant_launch if "ln_variant" in spec["switches"] else shipped_ln_launch
+        triton_layer_norm.LAUNCH_BY_WIDTH = (
+            {} if "ln_variant" in spec["switches"]
+            else dict(triton_layer_norm.BEST_BY_WIDTH) if "ln_by_width" in spec["switches"]
+            else shipped_ln_by_width)
         # +cublaslt: ATen's matmuls (Inductor's extern mm/addmm too) through cuBLASLt's own heuristics
         torch.backends.cuda.preferred_blas_library("cublaslt" if "cublaslt" in spec["switches"] else shipped_blas)
         torch._dynamo.reset()  # each mode compiles afresh: no cache entry of another mode's options

@@ -86,6 +86,7 @@ SWITCH_LABELS = {
     "fused_ln": "block LayerNorm backward in one pass with the residual gradient",
     "inductor_ln": "block LayerNorm backward in Inductor's kernels",
     "ln_variant": "block LayerNorm backward at the --ln-variant launch",
+    "ln_by_width": "block LayerNorm backward launched per row width (layer_norm.BEST_BY_WIDTH)",
     "inductor_gelu": "MLP GELU backward and fc1 bias gradients in Inductor's kernels",
     "gelu_variant": "GELU backward at the --gelu-variant launch",
     "side_dw": "weight-gradient GEMMs on a second stream (session 23, removed)",

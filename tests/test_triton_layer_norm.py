@@ -110,15 +110,33 @@ def test_cpu_prefetching_backward_matches_aten(monkeypatch, rows, width, residua
     check(rows, width, torch.float32, "cpu", residual)
 
 
+@cpu_only
+@pytest.mark.parametrize("rows,width", [(37, 96), (130, 72)])
+def test_cpu_launch_by_width_is_used_and_matches_aten(monkeypatch, rows, width):
+    """``LAUNCH_BY_WIDTH``: rows of a listed width take that launch (the kernel's tile and prefetch
+    follow it), others ``LAUNCH``; both match ATen. Empty as shipped; ``BEST_BY_WIDTH`` parses back
+    to its own text."""
+    assert tln.LAUNCH_BY_WIDTH == {}
+    other = tln.Launch.parse("4x1024x2x8p")
+    monkeypatch.setattr(tln, "LAUNCH_BY_WIDTH", {width: other})
+    assert tln.launch_for(width) is other and tln.launch_for(width + 1) is tln.LAUNCH
+    check(rows, width, torch.float32, "cpu", True)
+    for launch in tln.BEST_BY_WIDTH.values():
+        assert tln.Launch.parse(str(launch)) == launch
+
+
 @gpu_only
-@pytest.mark.parametrize("launch", ["2x4096x2", "4x2048x2p", "4x2048x2x8p"])
+@pytest.mark.parametrize("launch", ["2x4096x2", "4x2048x2p", "4x2048x2x8p", "by_width"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("rows,width", [(128 * 1248, 96), (128 * 312, 192), (128 * 76, 384),
                                         (128 * 19, 768), (128 * 196, 512), (1000, 4096), (3, 56)])
 def test_gpu_backward_matches_aten(monkeypatch, rows, width, dtype, launch):
     """Hiera-B MAE's LayerNorms at batch 128 (stages 1-4, decoder), the widest row, a tiny one; the
-    shipped launch and two prefetching ones."""
-    monkeypatch.setattr(tln, "LAUNCH", tln.Launch.parse(launch))
+    shipped launch, two prefetching ones, and ``BEST_BY_WIDTH``'s per width."""
+    if launch == "by_width":
+        monkeypatch.setattr(tln, "LAUNCH_BY_WIDTH", dict(tln.BEST_BY_WIDTH))
+    else:
+        monkeypatch.setattr(tln, "LAUNCH", tln.Launch.parse(launch))
     check(rows, width, dtype, "cuda")
 
 

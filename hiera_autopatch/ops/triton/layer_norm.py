@@ -17,7 +17,7 @@ Chain: kernels -> ``layer_norm_backward`` (launcher) -> custom op ``hiera_autopa
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -61,6 +61,24 @@ LAUNCH = Launch()
 """The shipped launch: the best of scripts/bench_layer_norm.py's sweep on an H100 over Hiera-B MAE's
 norms (benchmarks/results/h100_bench_layer_norm_variants.json: 1.98 ms a step against Inductor's
 2.35; more programs an SM, larger tiles, or column sums each step were slower)."""
+
+BEST_BY_WIDTH: Dict[int, Launch] = {
+    # h200_bench_layer_norm_prefetch.json (with the dx sums), a call against LAUNCH's: stage 1's
+    # norms 0.049 vs 0.053 ms (4 a step), stage 2's 0.038 vs 0.061 (6 a step); ~0.15 ms a step, isolated
+    96: Launch(4, 2048, prefetch=True),
+    192: Launch(2, 4096, num_warps=8, prefetch=True),
+}
+"""The widths where a launch beat ``LAUNCH`` in session 26's sweep on an H200; at 384, 512 and 768
+``LAUNCH`` was the fastest."""
+
+LAUNCH_BY_WIDTH: Dict[int, Launch] = {}
+"""Launches for some row widths, over ``LAUNCH``; empty as shipped until ``BEST_BY_WIDTH`` is timed in
+the graphed step (``scripts/profile_step.py``'s ``+ln_by_width``)."""
+
+
+def launch_for(width: int) -> Launch:
+    """The launch for rows of ``width``: ``LAUNCH_BY_WIDTH``'s, else ``LAUNCH``."""
+    return LAUNCH_BY_WIDTH.get(width, LAUNCH)
 
 
 if HAS_TRITON:
@@ -210,10 +228,10 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _programs(device: torch.device, row_steps: int) -> int:
+def _programs(device: torch.device, row_steps: int, launch: Launch) -> int:
     if device.type != "cuda":
         return min(row_steps, 4)  # the interpreter: a few programs, each over several steps
-    return min(row_steps, LAUNCH.programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(row_steps, launch.programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
@@ -229,10 +247,11 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, r
     x2 = x.reshape(-1, C).contiguous()
     res2 = d_res.reshape(-1, C).contiguous() if d_res is not None else dy2  # (not read without HAS_RES)
     n_rows = x2.shape[0]
+    launch = launch_for(C)
     block_c = _next_pow2(C)
-    block_r = max(1, min(LAUNCH.tile_elements // block_c, _next_pow2(n_rows)))  # rows a step
+    block_r = max(1, min(launch.tile_elements // block_c, _next_pow2(n_rows)))  # rows a step
     row_steps = triton.cdiv(n_rows, block_r)
-    programs = _programs(x.device, row_steps)
+    programs = _programs(x.device, row_steps, launch)
     rows_per_program = triton.cdiv(row_steps, programs) * block_r
     programs = triton.cdiv(n_rows, rows_per_program)
     dx = torch.empty_like(x2)
@@ -247,9 +266,9 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, r
         _layer_norm_bwd_kernel[(programs,)](
             dy2, x2, mean.reshape(-1), rstd.reshape(-1), weight, res2, dx, part,
             n_rows, rows_per_program,
-            C=C, BLOCK_R=block_r, BLOCK_C=block_c, HAS_RES=d_res is not None, ACC_2D=LAUNCH.acc_2d,
-            DX_SUM=dx_sum, PARTS=parts, PREFETCH=LAUNCH.prefetch, PDL=pdl,
-            num_warps=LAUNCH.warps(block_r, block_c), launch_pdl=pdl,
+            C=C, BLOCK_R=block_r, BLOCK_C=block_c, HAS_RES=d_res is not None, ACC_2D=launch.acc_2d,
+            DX_SUM=dx_sum, PARTS=parts, PREFETCH=launch.prefetch, PDL=pdl,
+            num_warps=launch.warps(block_r, block_c), launch_pdl=pdl,
         )
         _sum_parts_kernel[(triton.cdiv(parts * C, block_w),)](
             part, dw, db, ds, programs, C=C, PARTS=parts, BLOCK_P=128, BLOCK_W=block_w, PDL=pdl,
