@@ -355,7 +355,6 @@ def main(argv=None) -> int:
 
     shipped_tuning = dict(window_attention.TUNED)
     shipped_ln_launch, shipped_gelu_launch = triton_layer_norm.LAUNCH, triton_gelu.LAUNCH
-    shipped_ln_by_width = dict(triton_layer_norm.LAUNCH_BY_WIDTH)
     try:
         ln_variant_launch = triton_layer_norm.Launch.parse(args.ln_variant) if args.ln_variant else shipped_ln_launch
         gelu_variant_launch = triton_gelu.Launch.parse(args.gelu_variant) if args.gelu_variant else shipped_gelu_launch
@@ -371,6 +370,7 @@ def main(argv=None) -> int:
     shipped_fused_gelu = mlp_ops.fused_gelu_backward
     shipped_pdl = triton_runtime.PDL
     shipped_gelu_by_width = dict(triton_gelu.LAUNCH_BY_WIDTH)
+    shipped_ln_by_width = dict(triton_layer_norm.LAUNCH_BY_WIDTH)
     shipped_keep_act = mlp_ops.keep_act_widths
     tuning = tuned_blocks(args.attention_tuning) if args.attention_tuning else {}
     model, x = build(args)
