@@ -633,11 +633,12 @@ def test_time_launches_times_each_variant_not_the_width_table(monkeypatch):
         return [torch.ones(2)]
 
     monkeypatch.setattr(timing, "kernel_ms", lambda fn, device: 1.0)
-    entry = {}
+    entry = {"width": 3072}
     timing.time_launches(tgelu, ["4096x128x4", "1024x64x4p"], run, [torch.ones(2)], entry, "cpu")
     assert ran == ["4096x128x4", "1024x64x4p"]
     assert entry["ours_4096x128x4_ms"] == entry["ours_1024x64x4p_ms"] == 1.0
     assert tgelu.LAUNCH_BY_WIDTH is table and tgelu.LAUNCH is shipped and 3072 in table
+    assert entry["shipped"] == str(table[3072])
 
 
 def test_kernel_bench_scripts_dry_run_in_the_interpreter(tmp_path):
