@@ -14,6 +14,7 @@ FAIR-eager ms / config ms.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import statistics
@@ -454,6 +455,9 @@ def main(argv=None) -> int:
     deferred = []
     for mode in modes:
         runner = configure(mode)
+        gc.collect()  # the previous mode's graphs and their memory pools go before this mode's peak
+        torch.cuda.empty_cache()
+        resident_gib = torch.cuda.memory_allocated() / 2**30  # model, input, grads: every mode holds them
         torch.cuda.reset_peak_memory_stats()
         torch.manual_seed(0)
         started = time.perf_counter()
@@ -466,6 +470,7 @@ def main(argv=None) -> int:
             "ms_per_step": timing,
             "samples_per_s": args.batch * 1000 / timing["median"],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "resident_gib_at_start": resident_gib,
             "warmup_s": warmup_s,
             "inductor_options": dict(step_graph.compile_options) if spec_of(mode)["config"] == "graphs" else None,
             "step_graph": step_graph.status() if spec_of(mode)["config"] == "graphs" else None,
