@@ -467,6 +467,26 @@ def test_profile_step_modes_parse_and_bad_ones_are_rejected():
     assert set(profile_step.SWITCHES) - {"tuned_attention"} <= set(table.SWITCH_LABELS)
 
 
+def test_ab_pairs_ships_only_a_candidate_faster_in_every_complete_pair(tmp_path, capsys):
+    """scripts/ab_pairs.py: pairs by repeat, skips a pair a timeout cut, and exits 0 only on a
+    win in every pair (at least --min-pairs of them); 2 on a file it cannot read."""
+    ab_pairs = _load_script("ab_pairs")
+    ms = lambda median: {"ms_per_step": {"median": median}}
+    modes = {"graphs": ms(30.0), "graphs+x": ms(29.0), "graphs+y": ms(29.5), "graphs#2": ms(31.0),
+             "graphs+x#2": ms(30.5), "graphs+y#2": ms(31.5), "graphs#3": ms(30.0), "graphs+x#3": ms(29.9),
+             "graphs+y#3": ms(29.0), "graphs#4": ms(30.0), "graphs+x#4": {"peak_gib": 6.5}}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"modes": modes}))
+    assert [p["repeat"] for p in ab_pairs.pairs(modes, "graphs", "graphs+x")] == ["1", "2", "3"]
+    assert ab_pairs.main([str(path), "--candidate", "graphs+x"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "wins every pair"
+    assert ab_pairs.main([str(path), "--candidate", "graphs+y"]) == 1
+    assert "slower or equal in 1 of 3" in json.loads(capsys.readouterr().out)["verdict"]
+    assert ab_pairs.main([str(path), "--candidate", "graphs+x", "--min-pairs", "4"]) == 1
+    assert ab_pairs.main([str(path), "--candidate", "graphs+z"]) == 1  # no such mode: no pairs
+    assert ab_pairs.main([str(tmp_path / "missing.json"), "--candidate", "graphs+x"]) == 2
+
+
 def test_profile_step_counts_matmul_flops_from_profiler_shapes():
     profile_step = _load_script("profile_step")
     assert profile_step.matmul_flops("aten::mm", [[128, 96], [96, 384]]) == 2 * 128 * 96 * 384

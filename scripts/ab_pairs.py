@@ -1,0 +1,66 @@
+"""Did a candidate mode beat its base in every interleaved pair of a profile_step.py run?
+
+    python scripts/ab_pairs.py profile.json --candidate graphs+ln_by_width [--base graphs] [--min-pairs 3]
+
+Pairs the two modes by repeat (``graphs`` with ``graphs+ln_by_width``, ``graphs#2`` with
+``graphs+ln_by_width#2``, ...) on their median ms/step, prints JSON, and exits 0 only when the
+candidate was faster in every complete pair and there were at least ``--min-pairs`` of them (1 when
+not, 2 on bad input). Our rule for shipping a default (a step's repeats spread by ~2 ms within one
+process, so the sign of every pair is the evidence, not one pair's size). Lets a single device call
+run the A/B and, only if it wins, apply the change and bench it:
+``python3 scripts/ab_pairs.py $OUT/p.json --candidate graphs+ln_by_width && sed -i ... && bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def median_ms(modes: dict, name: str):
+    """A mode's median ms/step, or None when the run did not get to it (cut by a timeout)."""
+    return (modes.get(name, {}).get("ms_per_step") or {}).get("median")
+
+
+def pairs(modes: dict, base: str, candidate: str) -> list:
+    """[{repeat, base_ms, candidate_ms}] for each repeat both modes completed, in run order."""
+    repeats = list(dict.fromkeys(name.partition("#")[2] for name in modes))  # run order, "" first-run
+    found = []
+    for repeat in repeats:
+        suffix = f"#{repeat}" if repeat else ""
+        base_ms, candidate_ms = median_ms(modes, base + suffix), median_ms(modes, candidate + suffix)
+        if base_ms is not None and candidate_ms is not None:
+            found.append({"repeat": repeat or "1", "base_ms": base_ms, "candidate_ms": candidate_ms})
+    return found
+
+
+def verdict(found: list, min_pairs: int) -> str:
+    if len(found) < min_pairs:
+        return f"undecided: {len(found)} complete pair(s), {min_pairs} needed"
+    slower = sum(p["candidate_ms"] >= p["base_ms"] for p in found)
+    return "wins every pair" if not slower else f"not a win: slower or equal in {slower} of {len(found)} pairs"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("profile_json", help="scripts/profile_step.py's --json output")
+    parser.add_argument("--candidate", required=True, help="mode without its #n, e.g. graphs+ln_by_width")
+    parser.add_argument("--base", default="graphs", help="mode without its #n (default: graphs)")
+    parser.add_argument("--min-pairs", type=int, default=3)
+    args = parser.parse_args(argv)
+    try:
+        with open(args.profile_json) as f:
+            modes = json.load(f)["modes"]
+    except (OSError, ValueError, KeyError) as err:
+        print(f"ab_pairs: cannot read modes from {args.profile_json}: {err}", file=sys.stderr)
+        return 2
+    found = pairs(modes, args.base, args.candidate)
+    result = {"base": args.base, "candidate": args.candidate, "pairs": found,
+              "verdict": verdict(found, args.min_pairs)}
+    print(json.dumps(result, indent=1))
+    return 0 if result["verdict"] == "wins every pair" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
