@@ -55,6 +55,12 @@ def main(argv=None) -> int:
     except (OSError, ValueError, KeyError) as err:
         print(f"ab_pairs: cannot read modes from {args.profile_json}: {err}", file=sys.stderr)
         return 2
+    run = {name.partition("#")[0] for name in modes}
+    missing = [name for name in (args.base, args.candidate) if name not in run]
+    if missing:
+        print(f"ab_pairs: no mode {', '.join(missing)} in {args.profile_json} (it has: {', '.join(sorted(run))})",
+              file=sys.stderr)
+        return 2
     found = pairs(modes, args.base, args.candidate)
     result = {"base": args.base, "candidate": args.candidate, "pairs": found,
               "verdict": verdict(found, args.min_pairs)}

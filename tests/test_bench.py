@@ -469,7 +469,7 @@ def test_profile_step_modes_parse_and_bad_ones_are_rejected():
 
 def test_ab_pairs_ships_only_a_candidate_faster_in_every_complete_pair(tmp_path, capsys):
     """scripts/ab_pairs.py: pairs by repeat, skips a pair a timeout cut, and exits 0 only on a
-    win in every pair (at least --min-pairs of them); 2 on a file it cannot read."""
+    win in every pair (at least --min-pairs of them); 2 on a file it cannot read or a mode it lacks."""
     ab_pairs = _load_script("ab_pairs")
     ms = lambda median: {"ms_per_step": {"median": median}}
     modes = {"graphs": ms(30.0), "graphs+x": ms(29.0), "graphs+y": ms(29.5), "graphs#2": ms(31.0),
@@ -483,7 +483,8 @@ def test_ab_pairs_ships_only_a_candidate_faster_in_every_complete_pair(tmp_path,
     assert ab_pairs.main([str(path), "--candidate", "graphs+y"]) == 1
     assert "slower or equal in 1 of 3" in json.loads(capsys.readouterr().out)["verdict"]
     assert ab_pairs.main([str(path), "--candidate", "graphs+x", "--min-pairs", "4"]) == 1
-    assert ab_pairs.main([str(path), "--candidate", "graphs+z"]) == 1  # no such mode: no pairs
+    assert ab_pairs.main([str(path), "--candidate", "graphs+z"]) == 2  # no such mode: bad input
+    assert "no mode graphs+z" in capsys.readouterr().err
     assert ab_pairs.main([str(tmp_path / "missing.json"), "--candidate", "graphs+x"]) == 2
 
 
