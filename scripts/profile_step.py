@@ -9,6 +9,13 @@ of the patched model); suffixes make ablations (``parse_mode``: ``graphs-triton`
 ``patched~fair.block``, ``graphs+kept_embed``, ``patched#2``). FAIR is never compiled here, so
 class patching cannot leak into a compiled FAIR graph. Prints JSON; ratios in the JSON are
 FAIR-eager ms / config ms.
+
+``--interleave ROUNDS`` (graphed modes with the same patches, e.g. an A/B of a launch table with
+repeats): each mode gets its own model and its captured graphs stay, then the rounds time one step
+of every mode in turn. One after the other, repeats of one mode spread by ~1 ms (session 29 on an
+H100: 31.86-32.72 ms), more than the tenths an A/B of a launch looks for. In turns, whatever of that
+is drift over the run's minutes falls on every mode alike; what comes with a capture stays with its
+``#n``, which is why ``scripts/ab_pairs.py`` still wants a win for every repeat. Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -136,6 +143,23 @@ def kept_embed_override(switches) -> dict:
     return {}
 
 
+def interleave_problems(modes) -> list:
+    """Why these modes cannot be timed by ``--interleave`` (empty: they can). Its rounds switch
+    between captured graphs without re-patching, so every mode must be a graphed step with the same
+    patches; what differs between them must live inside the graphs (launches, kernels, options)."""
+    specs = [parse_mode(mode) for mode in modes]
+    problems = [f"mode {mode!r} is not a graphs mode" for mode, spec in zip(modes, specs) if spec["config"] != "graphs"]
+    problems += [f"mode {mode!r}: +no_capture runs compiled code, not a kept graph"
+                 for mode, spec in zip(modes, specs) if "no_capture" in spec["switches"]]
+    patching = {(spec["attention"], tuple(sorted(spec["disabled"])), spec["sdpa"],
+                 tuple(sorted(kept_embed_override(spec["switches"]).items()))) for spec in specs}
+    if len(patching) > 1:
+        problems.append("modes differ in attention, ~patches, @sdpa or kept/full_embed (patches, not graphs)")
+    if len(set(modes)) < len(modes):
+        problems.append("a mode is listed twice: give repeats a #n")
+    return problems
+
+
 def inductor_options(switches) -> dict:
     """The graphed step's Inductor options for these +switches, over ``step_graph.default_options()``."""
     options = {}
@@ -182,17 +206,23 @@ def step(model, x):
     return loss
 
 
+def time_one(fn) -> float:
+    """ms of one step with CUDA events, synchronized."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def summary(times) -> dict:
+    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+
+
 def time_steps(fn, steps: int):
     """Median/min/max ms per step with CUDA events, one event pair per step."""
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+    return summary([time_one(fn) for _ in range(steps)])
 
 
 def cpu_breakdown(fn, steps: int = 3):
@@ -332,6 +362,10 @@ def main(argv=None) -> int:
                         "(scripts/bench_layer_norm.py's variants); other modes: ops/triton/layer_norm.py's")
     parser.add_argument("--gelu-variant", help="our GELU backward's launch in modes with +gelu_variant, e.g. 4096x128x4: "
                         "tile elements x most partial-sum rows x warps (scripts/bench_gelu.py's variants)")
+    parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                        help="capture every mode first, each on its own model with its graphs kept, then time "
+                             "ROUNDS rounds of one step per mode (the order rotating each round), so drift over "
+                             "the run's minutes falls on every mode alike; graphs modes with the same patches only")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
@@ -340,6 +374,10 @@ def main(argv=None) -> int:
             parse_mode(mode)
         except ValueError as exc:
             parser.error(str(exc))
+    if args.interleave < 0:
+        parser.error("--interleave takes a number of rounds >= 1")
+    if args.interleave and interleave_problems(args.modes.split(",")):
+        parser.error("--interleave: " + "; ".join(interleave_problems(args.modes.split(","))))
     import hiera_autopatch
     from hiera_autopatch import _bench_report
     from hiera_autopatch.ops import attention as attention_ops
@@ -378,16 +416,17 @@ def main(argv=None) -> int:
     results = {
         "command": " ".join(sys.argv),
         "model": args.model, "batch": args.batch, "dtype": "bf16 params", "step": "forward+backward",
-        "steps": args.steps,
+        "steps": args.interleave or args.steps,  # --interleave: one step of each mode a round
         "ln_variant": args.ln_variant or "shipped",
         "gelu_variant": args.gelu_variant or "shipped",
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
         "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
         "source_digest": _bench_report.source_digest(),  # the package code that ran (git's HEAD may not be it)
+        "interleave_rounds": args.interleave or None,
         "modes": {},
     }
-    def configure(mode):
-        """Patch state for one mode (see ``parse_mode``); returns the callable model."""
+    def set_switches(mode):
+        """The module-level switches of one mode (see ``parse_mode``); returns its spec."""
         spec = parse_mode(mode)
         step_graph.compile_options = inductor_options(spec["switches"])
         step_graph.backward_graph = "one_graph" not in spec["switches"]
@@ -415,14 +454,27 @@ def main(argv=None) -> int:
             else shipped_ln_by_width)
         # +cublaslt: ATen's matmuls (Inductor's extern mm/addmm too) through cuBLASLt's own heuristics
         torch.backends.cuda.preferred_blas_library("cublaslt" if "cublaslt" in spec["switches"] else shipped_blas)
-        torch._dynamo.reset()  # each mode compiles afresh: no cache entry of another mode's options
-        step_graph.reset()  # and captures afresh
         window_attention.TUNED.clear()
         window_attention.TUNED.update(shipped_tuning)
         if "tuned_attention" in spec["switches"]:
             for key, config in tuning.items():
                 window_attention.TUNED[key] = {**window_attention.TUNED.get(key, {}), **config}
         attention_ops.sdpa_backend = spec["sdpa"]
+        return spec
+
+    kept_alive = []  # --interleave: every mode's compiled step, so its kernels stay loaded for its graphs
+
+    def configure(mode, model=model):
+        """Patch state for one mode (see ``parse_mode``); returns the callable model."""
+        spec = set_switches(mode)
+        if args.interleave:
+            # a fresh compile for this mode, and no reset: torch._dynamo.reset() could free (and Triton
+            # unload) the kernels an earlier mode's kept graphs replay
+            kept_alive.extend(step_graph._compiled.values())
+            step_graph._compiled.clear()
+        else:
+            torch._dynamo.reset()  # each mode compiles afresh: no cache entry of another mode's options
+            step_graph.reset()  # and captures afresh
         hiera_autopatch.disable()
         step_graph.enabled = False
         if spec["config"] != "fair":
@@ -448,6 +500,49 @@ def main(argv=None) -> int:
             results["modes"][mode]["launchers"] = trace_kernels(lambda: step(runner, x), args.trace_kernels)
         if mode in args.cpu_profile.split(","):
             results["modes"][mode]["host_ops"] = cpu_breakdown(lambda: step(runner, x))
+
+    if args.interleave:  # capture every mode, then time them in turns
+        for name in ("recompile_limit", "cache_size_limit"):  # one compile per mode, none reset
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 4 * len(modes)))
+        runners = {}
+        for mode in modes:
+            torch.manual_seed(0)  # every mode's own model starts from the same weights
+            runner = runners[mode] = configure(mode, build(args)[0])
+            resident_gib = torch.cuda.memory_allocated() / 2**30  # grows: earlier modes' graphs stay
+            torch.cuda.reset_peak_memory_stats()
+            started = time.perf_counter()
+            for _ in range(3):  # compile and capture
+                step(runner, x)
+            torch.cuda.synchronize()
+            results["modes"][mode] = {
+                "resident_gib_at_start": resident_gib,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "warmup_s": time.perf_counter() - started,
+                "inductor_options": dict(step_graph.compile_options),
+                "attention_tuned": {f"T={t} S={s} D={d}": c for (t, s, d), c in window_attention.TUNED.items()},
+                "status": hiera_autopatch.status()["targets"].get("hiera.hiera_mae", {}),
+            }
+            print(f"{mode:10s} captured  warm-up {results['modes'][mode]['warmup_s']:.1f} s", file=sys.stderr, flush=True)
+            save()
+        samples = {mode: [] for mode in modes}
+        for round_ in range(args.interleave):
+            for mode in modes[round_ % len(modes):] + modes[:round_ % len(modes)]:
+                set_switches(mode)  # the eager parts of the step read them
+                samples[mode].append(time_one(lambda: step(runners[mode], x)))
+        for mode in modes:
+            timing = summary(samples[mode])
+            results["modes"][mode].update(ms_per_step=timing, samples_per_s=args.batch * 1000 / timing["median"])
+            print(f"{mode:10s} {timing['median']:8.2f} ms/step over {args.interleave} interleaved rounds",
+                  file=sys.stderr, flush=True)
+        results["step_graph"] = step_graph.status()
+        save()
+        for mode in ([] if args.no_profile else [m for m in modes if not args.profile_only or m in args.profile_only.split(",")]):
+            set_switches(mode)
+            profile(mode, runners[mode])
+            save()
+        print(json.dumps({m: e["ms_per_step"]["median"] for m, e in results["modes"].items()}))
+        return 0
 
     # Launch-bound (eager) modes are timed before any profiler runs: profiling may leave host-side
     # overhead behind that would inflate them. Compiled/graphed modes are profiled right after

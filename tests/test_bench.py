@@ -467,6 +467,25 @@ def test_profile_step_modes_parse_and_bad_ones_are_rejected():
     assert set(profile_step.SWITCHES) - {"tuned_attention"} <= set(table.SWITCH_LABELS)
 
 
+def test_profile_step_interleave_takes_only_graphed_modes_with_the_same_patches(capsys):
+    """--interleave switches between kept graphs without re-patching: anything else is refused
+    before a model is built or torch touches a GPU."""
+    profile_step = _load_script("profile_step")
+    ok = ["graphs", "graphs+ln_by_width", "graphs#2", "graphs+ln_by_width+max_autotune#2"]
+    assert profile_step.interleave_problems(ok) == []
+    problems = profile_step.interleave_problems(["graphs", "patched", "graphs+no_capture"])
+    assert problems == ["mode 'patched' is not a graphs mode",
+                        "mode 'graphs+no_capture': +no_capture runs compiled code, not a kept graph"]
+    for differing in (["graphs", "graphs-sdpa"], ["graphs", "graphs~fair.block"], ["graphs", "graphs+full_embed"]):
+        assert "differ" in " ".join(profile_step.interleave_problems(differing))
+    assert "twice" in " ".join(profile_step.interleave_problems(["graphs", "graphs"]))
+    with pytest.raises(SystemExit) as exc:
+        profile_step.main(["--interleave", "10", "--modes", "fair,graphs"])
+    assert exc.value.code == 2 and "not a graphs mode" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        profile_step.main(["--interleave", "-1", "--modes", "graphs"])
+
+
 def test_ab_pairs_ships_only_a_candidate_faster_in_every_complete_pair(tmp_path, capsys):
     """scripts/ab_pairs.py: pairs by repeat, skips a pair a timeout cut, and exits 0 only on a
     win in every pair (at least --min-pairs of them); 2 on a file it cannot read or a mode it lacks."""
