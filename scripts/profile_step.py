@@ -376,8 +376,9 @@ def main(argv=None) -> int:
             parser.error(str(exc))
     if args.interleave < 0:
         parser.error("--interleave takes a number of rounds >= 1")
-    if args.interleave and interleave_problems(args.modes.split(",")):
-        parser.error("--interleave: " + "; ".join(interleave_problems(args.modes.split(","))))
+    problems = interleave_problems(args.modes.split(",")) if args.interleave else []
+    if problems:
+        parser.error("--interleave: " + "; ".join(problems))
     import hiera_autopatch
     from hiera_autopatch import _bench_report
     from hiera_autopatch.ops import attention as attention_ops
@@ -462,7 +463,7 @@ def main(argv=None) -> int:
         attention_ops.sdpa_backend = spec["sdpa"]
         return spec
 
-    kept_alive = []  # --interleave: every mode's compiled step, so its kernels stay loaded for its graphs
+    kept_alive = []  # --interleave: every mode's compiled step (and its backend), never collected mid-run
 
     def configure(mode, model=model):
         """Patch state for one mode (see ``parse_mode``); returns the callable model."""
