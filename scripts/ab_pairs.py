@@ -9,12 +9,15 @@ not, 2 on bad input). Our rule for shipping a default (a step's repeats spread b
 process, so the sign of every pair is the evidence, not one pair's size). Lets a single device call
 run the A/B and, only if it wins, apply the change and bench it:
 ``python3 scripts/ab_pairs.py $OUT/p.json --candidate graphs+ln_by_width && sed -i ... && bench``.
+For a ``profile_step.py --interleave`` run each pair also compares the two modes' steps round by
+round (``candidate_faster`` of ``rounds``, ``median_diff_ms``); the verdict stays the pairs'.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 
@@ -31,8 +34,20 @@ def pairs(modes: dict, base: str, candidate: str) -> list:
         suffix = f"#{repeat}" if repeat else ""
         base_ms, candidate_ms = median_ms(modes, base + suffix), median_ms(modes, candidate + suffix)
         if base_ms is not None and candidate_ms is not None:
-            found.append({"repeat": repeat or "1", "base_ms": base_ms, "candidate_ms": candidate_ms})
+            found.append({"repeat": repeat or "1", "base_ms": base_ms, "candidate_ms": candidate_ms,
+                          **by_round(modes, base + suffix, candidate + suffix)})
     return found
+
+
+def by_round(modes: dict, base: str, candidate: str) -> dict:
+    """For a --interleave run (modes carry ``round_ms``): the two modes' steps of the same round
+    compared, candidate minus base; drift over the run falls on both alike. Empty otherwise."""
+    base_ms, candidate_ms = (modes.get(name, {}).get("round_ms") for name in (base, candidate))
+    if not base_ms or not candidate_ms or len(base_ms) != len(candidate_ms):
+        return {}
+    diffs = [c - b for b, c in zip(base_ms, candidate_ms)]
+    return {"rounds": len(diffs), "candidate_faster": sum(d < 0 for d in diffs),
+            "median_diff_ms": statistics.median(diffs)}
 
 
 def verdict(found: list, min_pairs: int) -> str:

@@ -533,7 +533,8 @@ def main(argv=None) -> int:
                 samples[mode].append(time_one(lambda: step(runners[mode], x)))
         for mode in modes:
             timing = summary(samples[mode])
-            results["modes"][mode].update(ms_per_step=timing, samples_per_s=args.batch * 1000 / timing["median"])
+            results["modes"][mode].update(ms_per_step=timing, samples_per_s=args.batch * 1000 / timing["median"],
+                                          round_ms=samples[mode])  # in round order: ab_pairs.py pairs them by round
             print(f"{mode:10s} {timing['median']:8.2f} ms/step over {args.interleave} interleaved rounds",
                   file=sys.stderr, flush=True)
         results["step_graph"] = step_graph.status()

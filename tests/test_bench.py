@@ -507,6 +507,20 @@ def test_ab_pairs_ships_only_a_candidate_faster_in_every_complete_pair(tmp_path,
     assert ab_pairs.main([str(tmp_path / "missing.json"), "--candidate", "graphs+x"]) == 2
 
 
+def test_ab_pairs_compares_an_interleaved_runs_steps_round_by_round():
+    """With --interleave's round_ms, each pair also says in how many rounds the candidate's step
+    beat the base's step of the same round, and the median of those differences."""
+    ab_pairs = _load_script("ab_pairs")
+    timed = lambda rounds: {"ms_per_step": {"median": sorted(rounds)[len(rounds) // 2]}, "round_ms": rounds}
+    modes = {"graphs": timed([30.0, 31.0, 33.0, 30.5]), "graphs+x": timed([29.8, 31.2, 32.5, 30.0]),
+             "graphs#2": timed([30.0, 30.0]), "graphs+x#2": timed([29.0, 29.0, 29.0])}  # lengths differ
+    first, second = ab_pairs.pairs(modes, "graphs", "graphs+x")
+    assert (first["rounds"], first["candidate_faster"]) == (4, 3)
+    assert abs(first["median_diff_ms"] - (-0.35)) < 1e-9  # diffs -0.2, +0.2, -0.5, -0.5
+    assert "rounds" not in second  # not paired round by round: only the medians are compared
+    assert ab_pairs.by_round({"graphs": {"ms_per_step": {"median": 1.0}}}, "graphs", "graphs+x") == {}
+
+
 def test_profile_step_counts_matmul_flops_from_profiler_shapes():
     profile_step = _load_script("profile_step")
     assert profile_step.matmul_flops("aten::mm", [[128, 96], [96, 384]]) == 2 * 128 * 96 * 384
