@@ -10,7 +10,8 @@ process, so the sign of every pair is the evidence, not one pair's size). Lets a
 run the A/B and, only if it wins, apply the change and bench it:
 ``python3 scripts/ab_pairs.py $OUT/p.json --candidate graphs+ln_by_width && sed -i ... && bench``.
 For a ``profile_step.py --interleave`` run each pair also compares the two modes' steps round by
-round (``candidate_faster`` of ``rounds``, ``median_diff_ms``); the verdict stays the pairs'.
+round (``candidate_faster`` of ``rounds``, ``median_diff_ms``), and a pair is won when that median
+difference is below zero: the two medians alone would keep the drift the rounds cancel.
 """
 
 from __future__ import annotations
@@ -50,10 +51,18 @@ def by_round(modes: dict, base: str, candidate: str) -> dict:
             "median_diff_ms": statistics.median(diffs)}
 
 
+def lost(pair: dict) -> bool:
+    """The candidate did not win this pair: by its steps' median difference round by round where
+    the run was interleaved (drift cancels), else by the two modes' medians."""
+    if "median_diff_ms" in pair:
+        return pair["median_diff_ms"] >= 0
+    return pair["candidate_ms"] >= pair["base_ms"]
+
+
 def verdict(found: list, min_pairs: int) -> str:
     if len(found) < min_pairs:
         return f"undecided: {len(found)} complete pair(s), {min_pairs} needed"
-    slower = sum(p["candidate_ms"] >= p["base_ms"] for p in found)
+    slower = sum(lost(p) for p in found)
     return "wins every pair" if not slower else f"not a win: slower or equal in {slower} of {len(found)} pairs"
 
 

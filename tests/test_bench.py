@@ -509,7 +509,8 @@ def test_ab_pairs_ships_only_a_candidate_faster_in_every_complete_pair(tmp_path,
 
 def test_ab_pairs_compares_an_interleaved_runs_steps_round_by_round():
     """With --interleave's round_ms, each pair also says in how many rounds the candidate's step
-    beat the base's step of the same round, and the median of those differences."""
+    beat the base's step of the same round, and the median of those differences, which then
+    decides the pair."""
     ab_pairs = _load_script("ab_pairs")
     timed = lambda rounds: {"ms_per_step": {"median": sorted(rounds)[len(rounds) // 2]}, "round_ms": rounds}
     modes = {"graphs": timed([30.0, 31.0, 33.0, 30.5]), "graphs+x": timed([29.8, 31.2, 32.5, 30.0]),
@@ -518,6 +519,13 @@ def test_ab_pairs_compares_an_interleaved_runs_steps_round_by_round():
     assert (first["rounds"], first["candidate_faster"]) == (4, 3)
     assert abs(first["median_diff_ms"] - (-0.35)) < 1e-9  # diffs -0.2, +0.2, -0.5, -0.5
     assert "rounds" not in second  # not paired round by round: only the medians are compared
+    assert not ab_pairs.lost(first) and not ab_pairs.lost(second)  # second: medians 29.0 vs 30.0
+    second["candidate_ms"] = 31.0
+    assert ab_pairs.lost(second)  # the medians decide a pair without rounds
+    # by rounds, a candidate can win a pair whose median is higher (drift fell on its slow rounds)
+    mixed = {"graphs": timed([30.0, 30.0, 33.0]), "graphs+x": timed([29.9, 29.9, 30.5])}
+    mixed["graphs+x"]["ms_per_step"]["median"] = 30.5
+    assert not ab_pairs.lost(ab_pairs.pairs(mixed, "graphs", "graphs+x")[0])
     assert ab_pairs.by_round({"graphs": {"ms_per_step": {"median": 1.0}}}, "graphs", "graphs+x") == {}
 
 

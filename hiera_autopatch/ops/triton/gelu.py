@@ -70,9 +70,14 @@ BEST_BY_WIDTH: Dict[int, Launch] = {
     # h100_bench_gelu.json, Hiera-B MAE's MLPs at batch 128: ~0.29 ms a step over LAUNCH, isolated
     384: Launch(4096, 128, 8), 768: Launch(4096, 128, 8),  # stages 1-2
     1536: Launch(2048, 128, 4),  # stage 3
-    2048: Launch(2048, 64, 4), 3072: Launch(2048, 64, 4),  # decoder, stage 4
+    2048: Launch.parse("2048x64x4p"),  # decoder: session 30, see below
+    3072: Launch(2048, 64, 4),  # stage 4
 }
-"""The per-width pick of session 21's sweep on an H100."""
+"""The per-width pick of session 21's sweep on an H100, with the decoder's width prefetching since
+session 30: 0.154 against 0.171 ms a call in isolation (h100_bench_gelu_session29.json), and in the
+graphed step on an H200 faster by a median 0.03-0.16 ms a step in each interleaved pair that did not
+hold the first capture's place (h200_profile_interleaved_captures_session30.json,
+h200_profile_interleaved_session30.json; scripts/profile_step.py's ``--interleave``)."""
 
 LAUNCH_BY_WIDTH: Dict[int, Launch] = dict(BEST_BY_WIDTH)
 """Launches for some row widths (fc1's output width), over ``LAUNCH``: ``BEST_BY_WIDTH`` as shipped
