@@ -1,0 +1,293 @@
+"""Experiment, off by default: the MLP's GEMMs with FAIR's erf-GELU in their epilogue.
+
+The graphed step runs a Hiera MLP as cuBLAS GEMMs plus Inductor's elementwise GELU kernels (3.5 ms
+of Hiera-B MAE's 28 ms step on the H200, benchmarks/results/h200_profile_final.json). Those kernels
+only move bytes a GEMM epilogue already holds in registers:
+
+    forward   hidden = x @ w1^T + b1            (M, Hid)   saved for backward
+              act    = gelu(hidden)             (M, Hid)   fc2's input
+    backward  d_act  = d_out @ w2               (M, Hid)   fc2's data gradient
+              d_hid  = gelu'(hidden) * d_act    (M, Hid)
+              act    = gelu(hidden)             (M, Hid)   recomputed for fc2's weight gradient
+
+``linear_gelu`` computes the forward pair in one GEMM; ``matmul_gelu_backward`` the backward pair
+(d_act never reaches memory). Each rounds as the unfused ops do: GELU of the bf16 ``hidden``, GELU'
+times the bf16 ``d_act``. Whether this beats cuBLAS + Inductor on Hiera's shapes is what
+``scripts/bench_gemm_gelu.py`` measures (kernel against kernel) and ``scripts/profile_step.py``'s
+``+gemm_gelu`` switch (the whole graphed step, through ``ops/mlp.py``); until it does, it stays off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+try:  # the module must import without triton
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4,
+                  "TMA": 0}
+"""TMA 1: tiles fetched by tensor descriptors (needs 16-byte aligned rows: K and N multiples of 8
+in bf16); 0: by pointers. PERSISTENT p (with TMA): p programs per SM walk the tiles; WS 1 (with
+PERSISTENT): their tile loop warp-specialised. Untimed:
+scripts/bench_gemm_gelu.py tries them."""
+
+
+# ------------------------------------------------------------------------------------------------
+# PyTorch references: the unfused ops the kernels stand in for
+# ------------------------------------------------------------------------------------------------
+
+
+def linear_gelu_reference(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor]):
+    """x (M, C), w1 (Hid, C), b1 (Hid,) -> hidden, gelu(hidden), each (M, Hid)."""
+    hidden = F.linear(x, w1, b1)
+    return hidden, F.gelu(hidden)
+
+
+def matmul_gelu_backward_reference(d_out: torch.Tensor, w2: torch.Tensor, hidden: torch.Tensor):
+    """d_out (M, C), w2 (C, Hid), hidden (M, Hid) -> d_hidden, gelu(hidden), each (M, Hid)."""
+    d_act = d_out.matmul(w2)
+    return torch.ops.aten.gelu_backward(d_act, hidden), F.gelu(hidden)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel
+# ------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gelu(h):
+        # exact (erf) GELU in fp32, as nn.GELU() / F.gelu(approximate="none")
+        return 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
+
+    @triton.jit
+    def _gelu_grad(h):
+        cdf = 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * h * h) * 0.3989422804014327  # 1 / sqrt(2 pi)
+        return cdf + h * pdf
+
+    @triton.jit
+    def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        # (row block, column block) of program pid: GROUP_M row blocks walk the column blocks
+        # together, so the B tiles they share are still in L2
+        n_m = tl.cdiv(M, BLOCK_M)
+        n_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * n_n
+        first_m = (pid // per_group) * GROUP_M
+        group_rows = tl.minimum(n_m - first_m, GROUP_M)
+        return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+    @triton.jit
+    def _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT,
+                  BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # acc (BLOCK_M, BLOCK_N) fp32 tile of the product. OUT, ACT (and HIDDEN): (M, N) contiguous.
+        # forward:  OUT = hidden = acc + bias, ACT = gelu(hidden)
+        # backward: OUT = gelu'(HIDDEN) * acc,  ACT = gelu(HIDDEN)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        n_ok = offs_n < N
+        mask = (offs_m < M)[:, None] & n_ok[None, :]
+        offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]  # (BM, BN) into (M, N)
+        out_type = OUT.dtype.element_ty
+        if BACKWARD:
+            d_act = acc.to(out_type).to(tl.float32)  # d_act as the unfused matmul rounds it
+            hidden = tl.load(HIDDEN + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(OUT + offs, (_gelu_grad(hidden) * d_act).to(out_type), mask=mask)
+            tl.store(ACT + offs, _gelu(hidden).to(out_type), mask=mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            hidden = acc.to(out_type)
+            tl.store(OUT + offs, hidden, mask=mask)
+            tl.store(ACT + offs, _gelu(hidden.to(tl.float32)).to(out_type), mask=mask)
+
+    @triton.jit
+    def _gemm_gelu_kernel(
+        A, B, BIAS, HIDDEN, OUT, ACT,
+        M, N, K,
+        stride_am, stride_ak, stride_bk, stride_bn,
+        BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        # acc = A (M, K) @ B (K, N), both read through strides (B = w1^T in forward, w2 in backward)
+        pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        a_ptrs = A + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BM, BK)
+        b_ptrs = B + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn  # (BK, BN)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+    @triton.jit
+    def _gemm_gelu_tma_kernel(
+        a_desc, b_desc, BIAS, HIDDEN, OUT, ACT,
+        M, N, K,
+        B_IS_KN: tl.constexpr, BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        # The same product with A and B tiles fetched by tensor descriptors (Hopper's TMA; zero
+        # padding past the edges). b_desc: w2 (K, N) when B_IS_KN, else w1 (N, K), used transposed.
+        pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([off_m, k0])  # (BLOCK_M, BLOCK_K)
+            if B_IS_KN:
+                b = b_desc.load([k0, off_n])  # (BLOCK_K, BLOCK_N)
+            else:
+                b = tl.trans(b_desc.load([off_n, k0]))  # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+    @triton.jit
+    def _gemm_gelu_persistent_kernel(
+        a_desc, b_desc, BIAS, HIDDEN, OUT, ACT,
+        M, N, K,
+        B_IS_KN: tl.constexpr, BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        N_PROGRAMS: tl.constexpr, WS: tl.constexpr = False,
+    ):
+        # The TMA product, persistent: N_PROGRAMS programs walk the tiles, and the tile and K loops
+        # are flattened into one software pipeline, so the next tile's loads overlap this tile's
+        # epilogue (with Hiera's K of 96-1536 the epilogue is a large share of each tile).
+        # WS: warp-specialised instead (Triton's automatic partitioning: TMA loads in a producer
+        # warp group, MMAs and the epilogue in consumers), not flattened.
+        n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), n_tiles, N_PROGRAMS, flatten=not WS, warp_specialize=WS):
+            pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for kt in range(k_tiles):
+                a = a_desc.load([off_m, kt * BLOCK_K])  # (BLOCK_M, BLOCK_K)
+                if B_IS_KN:
+                    b = b_desc.load([kt * BLOCK_K, off_n])  # (BLOCK_K, BLOCK_N)
+                else:
+                    b = tl.trans(b_desc.load([off_n, kt * BLOCK_K]))  # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------------
+
+
+def _config(config: Optional[Dict[str, int]]) -> Dict[str, int]:
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        assert cfg[key] >= 16 and cfg[key] & (cfg[key] - 1) == 0, cfg
+    return cfg
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _launch(a, b, b_is_kn: bool, bias, hidden, n_out, backward: bool, config) -> Tuple[torch.Tensor, torch.Tensor]:
+    """a (M, K) @ B -> (out, act), each (M, n_out); B = b (K, N) if b_is_kn, else b (N, K) transposed."""
+    M, K = a.shape
+    cfg = _config(config)
+    BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    out = torch.empty(M, n_out, device=a.device, dtype=a.dtype)
+    act = torch.empty_like(out)
+    grid = (triton.cdiv(M, BM) * triton.cdiv(n_out, BN),)
+    precision = "ieee" if a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
+    common = dict(BACKWARD=backward, HAS_BIAS=bias is not None, DOT_PRECISION=precision,
+                  BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg["GROUP_M"],
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    tensors = (bias if bias is not None else out, hidden if hidden is not None else out, out, act)
+    with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+        if cfg.get("TMA"):
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            a_desc = TensorDescriptor.from_tensor(a, [BM, BK])
+            b_desc = TensorDescriptor.from_tensor(b, [BK, BN] if b_is_kn else [BN, BK])
+            if cfg.get("PERSISTENT"):
+                n_programs = min(grid[0], _sm_count(a.device) * cfg["PERSISTENT"])
+                _gemm_gelu_persistent_kernel[(n_programs,)](a_desc, b_desc, *tensors, M, n_out, K, B_IS_KN=b_is_kn,
+                                                            N_PROGRAMS=n_programs, WS=bool(cfg.get("WS")), **common)
+            else:
+                _gemm_gelu_tma_kernel[grid](a_desc, b_desc, *tensors, M, n_out, K, B_IS_KN=b_is_kn, **common)
+        else:
+            # B's (k, n) element: b[k, n], or b[n, k] for the transposed weight
+            b_strides = (b.stride(0), b.stride(1)) if b_is_kn else (b.stride(1), b.stride(0))
+            _gemm_gelu_kernel[grid](a, b, *tensors, M, n_out, K, a.stride(0), a.stride(1), *b_strides, **common)
+    return out, act
+
+
+def linear_gelu(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
+                config: Optional[Dict[str, int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``linear_gelu_reference`` in one GEMM: x (M, C), w1 (Hid, C) -> hidden, gelu(hidden)."""
+    return _launch(x, w1, False, b1, None, w1.shape[0], False, config)
+
+
+def matmul_gelu_backward(d_out: torch.Tensor, w2: torch.Tensor, hidden: torch.Tensor,
+                         config: Optional[Dict[str, int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``matmul_gelu_backward_reference`` in one GEMM: d_out (M, C), w2 (C, Hid), hidden (M, Hid)
+    -> d_hidden, gelu(hidden)."""
+    hidden = hidden.contiguous()
+    assert hidden.shape == (d_out.shape[0], w2.shape[1]), (hidden.shape, d_out.shape, w2.shape)
+    return _launch(d_out, w2, True, None, hidden, w2.shape[1], True, config)
+
+
+# ------------------------------------------------------------------------------------------------
+# Custom ops: opaque to torch.compile (Inductor keeps them as one call each); ops/mlp.py's GeluMlp
+# calls them in its forward and backward when ``mlp.fused_gelu_gemm`` is on
+# ------------------------------------------------------------------------------------------------
+
+
+def supports(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """2-D inputs of one float dtype, on CUDA (or on the CPU in Triton's interpreter, for tests)."""
+    on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return (HAS_TRITON and on_device and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and all(w.dtype == x.dtype and w.device == x.device for w in weights))
+
+
+@torch.library.custom_op("hiera_autopatch::linear_gelu", mutates_args=())
+def linear_gelu_op(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    return linear_gelu(x.contiguous(), w1, b1)
+
+
+@linear_gelu_op.register_fake
+def _linear_gelu_shapes(x, w1, b1):
+    out = x.new_empty(x.shape[0], w1.shape[0])
+    return out, torch.empty_like(out)
+
+
+@torch.library.custom_op("hiera_autopatch::matmul_gelu_backward", mutates_args=())
+def matmul_gelu_backward_op(d_out: torch.Tensor, w2: torch.Tensor, hidden: torch.Tensor
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    return matmul_gelu_backward(d_out.contiguous(), w2, hidden)
+
+
+@matmul_gelu_backward_op.register_fake
+def _matmul_gelu_backward_shapes(d_out, w2, hidden):
+    out = hidden.new_empty(hidden.shape)
+    return out, torch.empty_like(out)
