@@ -7,10 +7,13 @@ replays (GPU time, no launch overhead):
 
 - forward:  ``hidden = x @ w1^T + b1; act = gelu(hidden)``
 - backward: ``d_hidden = gelu'(hidden) * (d_out @ w2); act = gelu(hidden)`` (fc2's data gradient
-  with GELU's backward, and the recomputed GELU that fc2's weight gradient reads)
+  with GELU's backward, and the recomputed GELU that fc2's weight gradient reads), and fc1's bias
+  gradient ``d_hidden.sum(0)``
 
-``baseline`` is the pair compiled by Inductor as the graphed step compiles it (cuBLAS GEMM plus a
-fused Triton elementwise kernel); ``fused`` is our one-GEMM kernel over a grid of block configs.
+``baseline`` is what the graphed step runs: forward, the pair compiled by Inductor (cuBLAS GEMM plus
+a fused Triton elementwise kernel); backward, cuBLAS plus our GELU-backward kernel with the bias
+sums (``ops/triton/gelu.py``). ``fused`` is our one-GEMM kernel (the backward's bias sums kept per
+row block in its epilogue, then added up) over a grid of block configs.
 Every timed config is checked against an fp32 reference, as accurate as the baseline or close.
 The JSON gives, per shape and pass, both times, the best config, and the saving per step (calls
 per step x difference). ``--device cpu`` dry-runs the script in Triton's interpreter on tiny shapes.
@@ -49,18 +52,22 @@ FETCHES = {"persistent": {"TMA": 1, "PERSISTENT": 1}, "ws": {"TMA": 1, "PERSISTE
 TMA, pointers"""
 
 
-WS_BLOCKS = (  # Triton 3.6 warp-specialises this loop on Hopper only at 4 warps a group (12 in all:
-    # a producer and two consumer groups), checked by compiling for sm_90 without a GPU
-    (128, 128, 64, 4, 4), (128, 128, 64, 4, 3), (128, 256, 64, 4, 3), (128, 256, 64, 4, 4),
-    (256, 128, 64, 4, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 32, 4, 4),
-)
+WS_BLOCKS = {  # Triton 3.6 warp-specialises this loop on Hopper only at 4 warps a group (12 in all:
+    # a producer and two consumer groups), checked by compiling for sm_90 without a GPU. With
+    # 128 or 256 rows it splits the rows between the consumers, so the backward's column sums
+    # (over rows) do not compile there: the backward takes 64-row tiles.
+    "fwd": ((128, 128, 64, 4, 4), (128, 128, 64, 4, 3), (128, 256, 64, 4, 3), (128, 256, 64, 4, 4),
+            (256, 128, 64, 4, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 32, 4, 4)),
+    "bwd": ((64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (64, 128, 64, 4, 5), (64, 128, 32, 4, 4),
+            (64, 64, 64, 4, 4)),
+}
 
 
-def candidates(fetches=tuple(FETCHES.values())):
-    """Each of ``BLOCKS`` (``WS_BLOCKS`` warp-specialised) with each way of fetching tiles, so that
-    Triton's compiles (a second or two each, shared by shapes) fit a short run."""
+def candidates(fetches=tuple(FETCHES.values()), phase="fwd"):
+    """Each of ``BLOCKS`` (``WS_BLOCKS[phase]`` warp-specialised) with each way of fetching tiles, so
+    that Triton's compiles (a second or two each, shared by shapes) fit a short run."""
     for fetch in fetches:
-        for bm, bn, bk, warps, stages in WS_BLOCKS if fetch.get("WS") else BLOCKS:
+        for bm, bn, bk, warps, stages in WS_BLOCKS[phase] if fetch.get("WS") else BLOCKS:
             yield {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps,
                    "num_stages": stages, **fetch}
 
@@ -95,9 +102,15 @@ def main(argv=None) -> int:
     def gpu_ms(fn):
         return kernel_ms(fn, dev)
 
-    # the baseline as the graphed step runs it: Inductor's cuBLAS GEMM + fused GELU kernel (eager
-    # ops in the interpreter dry run)
+    # the baselines as the graphed step runs them: forward, Inductor's cuBLAS GEMM + fused GELU
+    # kernel (eager ops in the interpreter dry run); backward, the cuBLAS GEMM + our GELU backward
+    # with fc1's bias gradient (ops/mlp.GeluMlp.backward)
     compile_ = (lambda fn: torch.compile(fn, dynamic=False)) if dev == "cuda" else (lambda fn: fn)
+    from hiera_autopatch.ops.triton import gelu as triton_gelu
+
+    def shipped_backward(d_out, w2, hidden):
+        act, d_hidden, d_bias = triton_gelu.gelu_backward_bias(d_out.matmul(w2), hidden)
+        return d_hidden, act, d_bias
 
     for name in [n for n in args.shapes.split(",") if n]:
         if time.time() - started > args.budget_s:
@@ -118,11 +131,13 @@ def main(argv=None) -> int:
         hidden = torch.nn.functional.linear(x, w1, b1)
         ref_fwd = gg.linear_gelu_reference(x.double(), w1.double(), b1.double())
         ref_bwd = gg.matmul_gelu_backward_reference(d_out.double(), w2.double(), hidden.double())
+        ref_bwd = (*ref_bwd, ref_bwd[0].sum(0))  # d_hidden, act, fc1's bias gradient
         entry = results["shapes"][name] = {"M": M, "C": C, "Hid": Hid, "calls_per_step": calls}
 
         passes = {
             "fwd": (compile_(gg.linear_gelu_reference), (x, w1, b1), gg.linear_gelu, ref_fwd),
-            "bwd": (compile_(gg.matmul_gelu_backward_reference), (d_out, w2, hidden), gg.matmul_gelu_backward, ref_bwd),
+            "bwd": (shipped_backward, (d_out, w2, hidden),
+                    lambda *a, config: gg.matmul_gelu_backward(*a, config=config, bias_grad=True), ref_bwd),
         }
         for phase, (baseline_fn, inputs, fused_fn, ref) in passes.items():
             base_out = baseline_fn(*inputs)
@@ -130,7 +145,7 @@ def main(argv=None) -> int:
                     "rel_err": max(rel_err(o, r) for o, r in zip(base_out, ref))}
             bound = 2 * max(base["rel_err"], 1e-3)
             trials = []
-            for cfg in candidates(tuple(FETCHES[name] for name in args.fetch.split(","))):
+            for cfg in candidates(tuple(FETCHES[name] for name in args.fetch.split(",")), phase):
                 if time.time() - started > args.budget_s:
                     entry["cut_short"] = True
                     break

@@ -53,9 +53,15 @@ def _check(M, C, Hid, dtype, device, config, bias=True):
     ref_d_hidden, ref_act2 = gg.matmul_gelu_backward_reference(d_out, w2, ref_hidden)
     _assert_close("d_hidden", d_hidden, ref_d_hidden, dtype)
     _assert_close("act (backward)", act2, ref_act2, dtype)
+    # with fc1's bias gradient: the same two tensors, and the column sums of d_hidden as stored
+    d_hidden3, act3, d_bias = gg.matmul_gelu_backward(d_out, w2, ref_hidden, config, bias_grad=True)
+    assert torch.equal(d_hidden3, d_hidden) and torch.equal(act3, act2)
+    _assert_close("d_bias", d_bias, d_hidden.float().sum(0).to(dtype), dtype)
 
 
-FETCH = {"pointers": {"TMA": 0}, "descriptors": {"TMA": 1}, "ws": {"TMA": 1, "PERSISTENT": 1, "WS": 1},
+FETCH = {"pointers": {"TMA": 0}, "descriptors": {"TMA": 1},
+         # warp-specialised: 4 warps a group and 64-row tiles (bench_gemm_gelu.WS_BLOCKS)
+         "ws": {"TMA": 1, "PERSISTENT": 1, "WS": 1, "BLOCK_M": 64, "num_warps": 4},
          "persistent": {"TMA": 1, "PERSISTENT": 1}}  # persistent: 4 programs (interpreter) walk the tiles
 
 

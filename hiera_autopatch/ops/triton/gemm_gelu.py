@@ -90,12 +90,14 @@ if HAS_TRITON:
         return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
 
     @triton.jit
-    def _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT,
+    def _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, PART,
                   BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         # acc (BLOCK_M, BLOCK_N) fp32 tile of the product. OUT, ACT (and HIDDEN): (M, N) contiguous.
         # forward:  OUT = hidden = acc + bias, ACT = gelu(hidden)
-        # backward: OUT = gelu'(HIDDEN) * acc,  ACT = gelu(HIDDEN)
+        # backward: OUT = gelu'(HIDDEN) * acc,  ACT = gelu(HIDDEN); with HAS_BIAS also PART
+        #           (row blocks, N) fp32: row pid_m holds this tile's column sums of OUT as stored
+        #           (the bias gradient of the Linear whose output HIDDEN is, summed later)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         n_ok = offs_n < N
@@ -105,8 +107,12 @@ if HAS_TRITON:
         if BACKWARD:
             d_act = acc.to(out_type).to(tl.float32)  # d_act as the unfused matmul rounds it
             hidden = tl.load(HIDDEN + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(OUT + offs, (_gelu_grad(hidden) * d_act).to(out_type), mask=mask)
+            d_hidden = (_gelu_grad(hidden) * d_act).to(out_type)
+            tl.store(OUT + offs, d_hidden, mask=mask)
             tl.store(ACT + offs, _gelu(hidden).to(out_type), mask=mask)
+            if HAS_BIAS:
+                column_sums = tl.sum(tl.where(mask, d_hidden.to(tl.float32), 0.0), 0)  # (BLOCK_N,)
+                tl.store(PART + pid_m.to(tl.int64) * N + offs_n, column_sums, mask=n_ok)
         else:
             if HAS_BIAS:
                 acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -116,7 +122,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemm_gelu_kernel(
-        A, B, BIAS, HIDDEN, OUT, ACT,
+        A, B, BIAS, HIDDEN, OUT, ACT, PART,
         M, N, K,
         stride_am, stride_ak, stride_bk, stride_bn,
         BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -139,11 +145,11 @@ if HAS_TRITON:
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
-        _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
+        _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, PART, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _gemm_gelu_tma_kernel(
-        a_desc, b_desc, BIAS, HIDDEN, OUT, ACT,
+        a_desc, b_desc, BIAS, HIDDEN, OUT, ACT, PART,
         M, N, K,
         B_IS_KN: tl.constexpr, BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -161,12 +167,12 @@ if HAS_TRITON:
             else:
                 b = tl.trans(b_desc.load([off_n, k0]))  # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
+        _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, PART, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
     @triton.jit
     def _gemm_gelu_persistent_kernel(
-        a_desc, b_desc, BIAS, HIDDEN, OUT, ACT,
+        a_desc, b_desc, BIAS, HIDDEN, OUT, ACT, PART,
         M, N, K,
         B_IS_KN: tl.constexpr, BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -191,7 +197,7 @@ if HAS_TRITON:
                 else:
                     b = tl.trans(b_desc.load([off_n, kt * BLOCK_K]))  # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
+            _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, PART, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -222,7 +228,9 @@ def _launch(a, b, b_is_kn: bool, bias, hidden, n_out, backward: bool, config) ->
     common = dict(BACKWARD=backward, HAS_BIAS=bias is not None, DOT_PRECISION=precision,
                   BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg["GROUP_M"],
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    tensors = (bias if bias is not None else out, hidden if hidden is not None else out, out, act)
+    # backward: ``bias`` is the (row blocks, n_out) fp32 buffer of the bias gradient's partial sums
+    tensors = (bias if bias is not None else out, hidden if hidden is not None else out, out, act,
+               bias if bias is not None else out)
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
         if cfg.get("TMA"):
             from triton.tools.tensor_descriptor import TensorDescriptor
@@ -249,12 +257,25 @@ def linear_gelu(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor],
 
 
 def matmul_gelu_backward(d_out: torch.Tensor, w2: torch.Tensor, hidden: torch.Tensor,
-                         config: Optional[Dict[str, int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                         config: Optional[Dict[str, int]] = None, bias_grad: bool = False):
     """``matmul_gelu_backward_reference`` in one GEMM: d_out (M, C), w2 (C, Hid), hidden (M, Hid)
-    -> d_hidden, gelu(hidden)."""
+    -> d_hidden, gelu(hidden), each (M, Hid); ``bias_grad``: also d_hidden's column sums (Hid,) in
+    its dtype (autograd's ``sum(0)`` of the stored gradient, accumulated in fp32, in a fixed order)."""
     hidden = hidden.contiguous()
-    assert hidden.shape == (d_out.shape[0], w2.shape[1]), (hidden.shape, d_out.shape, w2.shape)
-    return _launch(d_out, w2, True, None, hidden, w2.shape[1], True, config)
+    M, Hid = hidden.shape
+    assert (M, Hid) == (d_out.shape[0], w2.shape[1]), (hidden.shape, d_out.shape, w2.shape)
+    if not bias_grad:
+        return _launch(d_out, w2, True, None, hidden, Hid, True, config)
+    from .gelu import _column_sums_kernel
+
+    part = torch.empty(triton.cdiv(M, _config(config)["BLOCK_M"]), Hid, device=hidden.device,
+                       dtype=torch.float32)  # (row blocks, Hid): every row written
+    d_hidden, act = _launch(d_out, w2, True, part, hidden, Hid, True, config)
+    d_bias = torch.empty(Hid, device=hidden.device, dtype=hidden.dtype)
+    with torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext():
+        _column_sums_kernel[(triton.cdiv(Hid, 32),)](part, d_bias, part.shape[0], F=Hid, BLOCK_P=64, BLOCK_W=32,
+                                                     num_warps=4)
+    return d_hidden, act, d_bias
 
 
 # ------------------------------------------------------------------------------------------------
