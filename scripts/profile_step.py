@@ -73,7 +73,7 @@ INDUCTOR_SWITCHES = {
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
             "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", "fused_ln", "inductor_ln",
             "ln_variant", "ln_by_width", "no_dx_sum", "inductor_gelu", "gelu_variant", "gelu_by_width", "gelu_one_launch", "pdl_ours",
-            "keep_act", "keep_act_all", *INDUCTOR_SWITCHES)
+            "keep_act", "keep_act_all", "gemm_gelu", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 KEEP_ACT_DECODER = frozenset({2048})  # +keep_act: the MAE decoder's MLP (512 -> 2048)
 KEEP_ACT_ALL = frozenset({384, 768, 1536, 3072, 2048})  # +keep_act_all: Hiera-B's four stages and the decoder
@@ -112,7 +112,8 @@ def parse_mode(mode: str) -> dict:
     width), pdl_ours (our Triton kernels with programmatic dependent launch: ops/triton/_runtime.PDL),
     keep_act / keep_act_all (the MLP's forward keeps GELU's output for backward instead of
     recomputing it, ops/mlp.keep_act_widths: the MAE decoder's width 2048 / every Hiera-B MAE width),
-    or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
+    gemm_gelu (the MLP GEMMs with GELU in their epilogue where ``--gemm-gelu-bench`` found them faster,
+    ops/triton/gemm_gelu.CONFIG_BY_WIDTH), or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
     again (interleaved A/B).
     """
     rest, _, repeat = mode.partition("#")
@@ -366,6 +367,8 @@ def main(argv=None) -> int:
                         "(scripts/bench_layer_norm.py's variants); other modes: ops/triton/layer_norm.py's")
     parser.add_argument("--gelu-variant", help="our GELU backward's launch in modes with +gelu_variant, e.g. 4096x128x4: "
                         "tile elements x most partial-sum rows x warps (scripts/bench_gelu.py's variants)")
+    parser.add_argument("--gemm-gelu-bench", help="scripts/bench_gemm_gelu.py JSON: its winning configs per width "
+                        "for the +gemm_gelu switch")
     parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                         help="capture every mode first, each on its own model with its graphs kept, then time "
                              "ROUNDS rounds of one step per mode (the order rotating each round), so drift over "
@@ -394,6 +397,7 @@ def main(argv=None) -> int:
     from hiera_autopatch.ops import step_graph
     from hiera_autopatch.ops.triton import _runtime as triton_runtime
     from hiera_autopatch.ops.triton import gelu as triton_gelu
+    from hiera_autopatch.ops.triton import gemm_gelu as triton_gemm_gelu
     from hiera_autopatch.ops.triton import layer_norm as triton_layer_norm
     from hiera_autopatch.ops.triton import window_attention
 
@@ -408,6 +412,8 @@ def main(argv=None) -> int:
         parser.error("+ln_variant needs --ln-variant")
     if any("gelu_variant" in parse_mode(mode)["switches"] for mode in args.modes.split(",")) and not args.gelu_variant:
         parser.error("+gelu_variant needs --gelu-variant")
+    if any("gemm_gelu" in parse_mode(mode)["switches"] for mode in args.modes.split(",")) and not args.gemm_gelu_bench:
+        parser.error("+gemm_gelu needs --gemm-gelu-bench")
     shipped_blas = torch.backends.cuda.preferred_blas_library()
     shipped_fused_ln = layer_norm_ops.fused_backward
     shipped_dx_sums = layer_norm_ops.dx_sums
@@ -416,6 +422,10 @@ def main(argv=None) -> int:
     shipped_gelu_by_width = dict(triton_gelu.LAUNCH_BY_WIDTH)
     shipped_ln_by_width = dict(triton_layer_norm.LAUNCH_BY_WIDTH)
     shipped_keep_act = mlp_ops.keep_act_widths
+    shipped_gemm_gelu = dict(triton_gemm_gelu.CONFIG_BY_WIDTH)
+    if args.gemm_gelu_bench:
+        with open(args.gemm_gelu_bench) as fh:
+            gemm_gelu_table = triton_gemm_gelu.best_by_width(json.load(fh))
     tuning = tuned_blocks(args.attention_tuning) if args.attention_tuning else {}
     model, x = build(args)
     results = {
@@ -424,6 +434,7 @@ def main(argv=None) -> int:
         "steps": args.interleave or args.steps,  # --interleave: one step of each mode a round
         "ln_variant": args.ln_variant or "shipped",
         "gelu_variant": args.gelu_variant or "shipped",
+        "gemm_gelu": gemm_gelu_table if args.gemm_gelu_bench else None,
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
         "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
         "source_digest": _bench_report.source_digest(),  # the package code that ran (git's HEAD may not be it)
@@ -445,6 +456,7 @@ def main(argv=None) -> int:
         triton_runtime.PDL = shipped_pdl or "pdl_ours" in spec["switches"]
         mlp_ops.keep_act_widths = (KEEP_ACT_ALL if "keep_act_all" in spec["switches"]
                                    else KEEP_ACT_DECODER if "keep_act" in spec["switches"] else shipped_keep_act)
+        triton_gemm_gelu.CONFIG_BY_WIDTH = gemm_gelu_table if "gemm_gelu" in spec["switches"] else shipped_gemm_gelu
         triton_gelu.LAUNCH_BY_WIDTH = (
             {} if {"gelu_one_launch", "gelu_variant"} & set(spec["switches"])
             else dict(triton_gelu.BEST_BY_WIDTH) if "gelu_by_width" in spec["switches"]

@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import import_script
 
 gg = importlib.import_module("hiera_autopatch.ops.triton.gemm_gelu")
@@ -101,3 +102,45 @@ def test_cpu_bench_script_dry_run(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_decoder_shape(dtype, fetch):
     _check(128 * 196 + 3, 512, 2048, dtype, "cuda", FETCH[fetch])
+
+
+@cpu_only
+def test_cpu_gelu_mlp_with_gelu_in_the_epilogues_matches_plain_autograd(monkeypatch):
+    """``CONFIG_BY_WIDTH`` lists the width: ``ops/mlp.GeluMlp`` under Inductor (CPU) runs fc1 with GELU
+    in its epilogue and fc2's data gradient with GELU's gradient, GELU and fc1's bias sums in its
+    epilogue; output, input grad and every weight grad as plain eager autograd's."""
+    from equivalence import outputs_and_grads
+
+    from hiera_autopatch.ops import mlp
+
+    calls = []
+    for name in ("linear_gelu", "matmul_gelu_backward"):
+        original = getattr(gg, name)
+        monkeypatch.setattr(gg, name, lambda *a, _f=original, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
+    monkeypatch.setattr(gg, "CONFIG_BY_WIDTH", {96: {"fwd": SMALL, "bwd": SMALL}})
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    fc1, fc2 = torch.nn.Linear(24, 96), torch.nn.Linear(96, 24)
+    x = torch.randn(3, 10, 24)
+    upstream = torch.randn(3, 10, 24)
+
+    def fused(x):
+        return mlp.GeluMlp.apply(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+
+    results = outputs_and_grads((lambda x: fc2(F.gelu(fc1(x))), torch.compile(fused, fullgraph=True)),
+                                x, (fc1, fc2), upstream)
+    torch._dynamo.reset()
+    assert calls == ["linear_gelu", "matmul_gelu_backward"]
+    for i, (actual, expected) in enumerate(zip(results[1], results[0])):
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"tensor {i}")
+
+
+def test_best_by_width_takes_the_passes_that_won():
+    bench = {"shapes": {
+        "decoder": {"Hid": 2048, "fwd": {"saving_ms_per_step": 0.2, "best": {"config": {"BLOCK_M": 128}}},
+                    "bwd": {"saving_ms_per_step": -0.1, "best": {"config": {"BLOCK_M": 64}}}},
+        "stage3": {"Hid": 1536, "fwd": {"saving_ms_per_step": -0.01, "best": {"config": {}}},
+                   "bwd": {"saving_ms_per_step": 0.05, "best": {"config": {"BLOCK_M": 64}}}},
+        "stage1": {"Hid": 384, "fwd": {"baseline": {}, "trials": []}},  # no config passed its checks
+    }}
+    assert gg.best_by_width(bench) == {2048: {"fwd": {"BLOCK_M": 128}}, 1536: {"bwd": {"BLOCK_M": 64}}}

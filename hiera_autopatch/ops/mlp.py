@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.modules import module as module_globals
 
 from .triton import gelu as triton_gelu
+from .triton import gemm_gelu
 
 fused_gelu_backward = True
 """``GeluMlp``'s backward takes GELU, its gradient and fc1's bias gradient from one kernel
@@ -96,10 +97,20 @@ class GeluMlp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2):
-        hidden = F.linear(x, w1, b1)  # (..., Hid)
-        act = F.gelu(hidden)  # (..., Hid)
+        keep_act = w1.shape[0] in keep_act_widths
+        x2 = x.reshape(-1, x.shape[-1])  # (M, C)
+        in_epilogue = (  # experiment: the passes whose GEMM carries GELU (ops/triton/gemm_gelu.py)
+            gemm_gelu.CONFIG_BY_WIDTH.get(w1.shape[0], {})
+            if torch.compiler.is_compiling() and not keep_act and b1 is not None and gemm_gelu.supports(x2, w1, b1, w2)
+            else {})
+        ctx.gemm_gelu = "bwd" in in_epilogue
+        if "fwd" in in_epilogue:  # fc1 with GELU in its epilogue
+            hidden2, act2 = gemm_gelu.linear_gelu_op(x2, w1, b1)  # (M, Hid) each
+            hidden, act = hidden2.view(*x.shape[:-1], -1), act2.view(*x.shape[:-1], -1)  # (..., Hid)
+        else:
+            hidden = F.linear(x, w1, b1)  # (..., Hid)
+            act = F.gelu(hidden)  # (..., Hid)
         out = F.linear(act, w2, b2)  # (..., C)
-        keep_act = hidden.shape[-1] in keep_act_widths
         ctx.save_for_backward(x, hidden, w1, w2, *([act] if keep_act else []))
         ctx.has_bias = (b1 is not None, b2 is not None)
         ctx.fused_gelu = fused_gelu_backward and torch.compiler.is_compiling()  # our kernel: compiled only
@@ -116,8 +127,14 @@ class GeluMlp(torch.autograd.Function):
             d_x = d_w1 = d_b1 = d_w2 = d_b2 = None
             if need_b2 and ctx.has_bias[1]:
                 d_b2 = d_out2.sum(0)
-            d_act = d_out.matmul(w2)  # (..., Hid): GELU's output gradient
-            if ctx.fused_gelu and need_w2 and need_b1 and ctx.has_bias[0] and triton_gelu.supports(hidden):
+            in_epilogue = ctx.gemm_gelu and need_w2 and need_b1
+            d_act = None if in_epilogue else d_out.matmul(w2)  # (..., Hid): GELU's output gradient
+            if in_epilogue:
+                # experiment: fc2's data gradient with GELU's gradient, GELU and fc1's bias sums in its epilogue
+                d_hidden2, act2, d_b1 = gemm_gelu.matmul_gelu_backward_op(d_out2, w2, hidden2)  # (M, Hid) x2, (Hid,)
+                d_hidden = d_hidden2.view(hidden.shape)  # (..., Hid)
+                d_w2 = d_out2.t().mm(act2)  # (C, Hid)
+            elif ctx.fused_gelu and need_w2 and need_b1 and ctx.has_bias[0] and triton_gelu.supports(hidden):
                 # one kernel: GELU's gradient, fc1's bias gradient (its column sums) and, unless the
                 # forward kept it, GELU recomputed
                 if act is None:

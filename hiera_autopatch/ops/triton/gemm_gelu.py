@@ -280,7 +280,7 @@ def matmul_gelu_backward(d_out: torch.Tensor, w2: torch.Tensor, hidden: torch.Te
 
 # ------------------------------------------------------------------------------------------------
 # Custom ops: opaque to torch.compile (Inductor keeps them as one call each); ops/mlp.py's GeluMlp
-# calls them in its forward and backward when ``mlp.fused_gelu_gemm`` is on
+# calls them in its forward and backward for the widths in ``CONFIG_BY_WIDTH``
 # ------------------------------------------------------------------------------------------------
 
 
@@ -291,9 +291,29 @@ def supports(x: torch.Tensor, *weights: torch.Tensor) -> bool:
             and all(w.dtype == x.dtype and w.device == x.device for w in weights))
 
 
+CONFIG_BY_WIDTH: Dict[int, Dict[str, Dict[str, int]]] = {}
+"""fc1's output width -> {"fwd": config, "bwd": config} (either may be missing): in the MLPs of these
+widths, fc1 (fwd) and fc2's data gradient (bwd) carry GELU in their epilogue (ops/mlp.GeluMlp,
+compiled steps only). Empty as shipped: an experiment, timed in the step by
+``scripts/profile_step.py``'s ``+gemm_gelu``."""
+
+
+
+def best_by_width(bench: dict) -> Dict[int, Dict[str, Dict[str, int]]]:
+    """``CONFIG_BY_WIDTH`` from a ``scripts/bench_gemm_gelu.py`` result: each pass's best config where
+    it beat what the step runs."""
+    table: Dict[int, Dict[str, Dict[str, int]]] = {}
+    for entry in bench["shapes"].values():
+        for phase in ("fwd", "bwd"):
+            if entry.get(phase, {}).get("saving_ms_per_step", 0.0) > 0:
+                table.setdefault(entry["Hid"], {})[phase] = entry[phase]["best"]["config"]
+    return table
+
+
 @torch.library.custom_op("hiera_autopatch::linear_gelu", mutates_args=())
 def linear_gelu_op(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    return linear_gelu(x.contiguous(), w1, b1)
+    """``linear_gelu`` at ``CONFIG_BY_WIDTH``'s forward config for w1's width."""
+    return linear_gelu(x.contiguous(), w1, b1, CONFIG_BY_WIDTH.get(w1.shape[0], {}).get("fwd"))
 
 
 @linear_gelu_op.register_fake
@@ -304,11 +324,14 @@ def _linear_gelu_shapes(x, w1, b1):
 
 @torch.library.custom_op("hiera_autopatch::matmul_gelu_backward", mutates_args=())
 def matmul_gelu_backward_op(d_out: torch.Tensor, w2: torch.Tensor, hidden: torch.Tensor
-                            ) -> Tuple[torch.Tensor, torch.Tensor]:
-    return matmul_gelu_backward(d_out.contiguous(), w2, hidden)
+                            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``matmul_gelu_backward(..., bias_grad=True)`` at ``CONFIG_BY_WIDTH``'s backward config:
+    (d_hidden, gelu(hidden), fc1's bias gradient)."""
+    config = CONFIG_BY_WIDTH.get(hidden.shape[-1], {}).get("bwd")
+    return matmul_gelu_backward(d_out.contiguous(), w2, hidden, config, bias_grad=True)
 
 
 @matmul_gelu_backward_op.register_fake
 def _matmul_gelu_backward_shapes(d_out, w2, hidden):
     out = hidden.new_empty(hidden.shape)
-    return out, torch.empty_like(out)
+    return out, torch.empty_like(out), hidden.new_empty(hidden.shape[-1:])
