@@ -46,28 +46,15 @@ BLOCKS = (  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the usual Hopp
 )
 
 
-FETCHES = {"persistent": {"TMA": 1, "PERSISTENT": 1}, "ws": {"TMA": 1, "PERSISTENT": 1, "WS": 1},
-           "tma": {"TMA": 1}, "pointers": {"TMA": 0}}
-"""how a config fetches its tiles: persistent TMA (one program per SM), the same warp-specialised,
-TMA, pointers"""
+FETCHES = {"persistent": {"TMA": 1, "PERSISTENT": 1}, "tma": {"TMA": 1}, "pointers": {"TMA": 0}}
+"""how a config fetches its tiles: persistent TMA (one program per SM), TMA, pointers"""
 
 
-WS_BLOCKS = {  # Triton 3.6 warp-specialises this loop on Hopper only at 4 warps a group (12 in all:
-    # a producer and two consumer groups), checked by compiling for sm_90 without a GPU. With
-    # 128 or 256 rows it splits the rows between the consumers, so the backward's column sums
-    # (over rows) do not compile there: the backward takes 64-row tiles.
-    "fwd": ((128, 128, 64, 4, 4), (128, 128, 64, 4, 3), (128, 256, 64, 4, 3), (128, 256, 64, 4, 4),
-            (256, 128, 64, 4, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 32, 4, 4)),
-    "bwd": ((64, 128, 64, 4, 4), (64, 128, 64, 4, 3), (64, 128, 64, 4, 5), (64, 128, 32, 4, 4),
-            (64, 64, 64, 4, 4)),
-}
-
-
-def candidates(fetches=tuple(FETCHES.values()), phase="fwd"):
-    """Each of ``BLOCKS`` (``WS_BLOCKS[phase]`` warp-specialised) with each way of fetching tiles, so
-    that Triton's compiles (a second or two each, shared by shapes) fit a short run."""
+def candidates(fetches=tuple(FETCHES.values())):
+    """Each of ``BLOCKS`` with each way of fetching tiles: 24 configs, so that Triton's compiles (a
+    second or two each, shared by shapes) fit a short run."""
     for fetch in fetches:
-        for bm, bn, bk, warps, stages in WS_BLOCKS[phase] if fetch.get("WS") else BLOCKS:
+        for bm, bn, bk, warps, stages in BLOCKS:
             yield {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps,
                    "num_stages": stages, **fetch}
 
@@ -145,7 +132,7 @@ def main(argv=None) -> int:
                     "rel_err": max(rel_err(o, r) for o, r in zip(base_out, ref))}
             bound = 2 * max(base["rel_err"], 1e-3)
             trials = []
-            for cfg in candidates(tuple(FETCHES[name] for name in args.fetch.split(",")), phase):
+            for cfg in candidates(tuple(FETCHES[name] for name in args.fetch.split(","))):
                 if time.time() - started > args.budget_s:
                     entry["cut_short"] = True
                     break

@@ -61,8 +61,6 @@ def _check(M, C, Hid, dtype, device, config, bias=True):
 
 
 FETCH = {"pointers": {"TMA": 0}, "descriptors": {"TMA": 1},
-         # warp-specialised: 4 warps a group and 64-row tiles (bench_gemm_gelu.WS_BLOCKS)
-         "ws": {"TMA": 1, "PERSISTENT": 1, "WS": 1, "BLOCK_M": 64, "num_warps": 4},
          "persistent": {"TMA": 1, "PERSISTENT": 1}}  # persistent: 4 programs (interpreter) walk the tiles
 
 

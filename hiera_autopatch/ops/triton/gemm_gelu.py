@@ -39,8 +39,7 @@ except Exception:  # pragma: no cover - depends on the environment
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4,
                   "TMA": 0}
 """TMA 1: tiles fetched by tensor descriptors (needs 16-byte aligned rows: K and N multiples of 8
-in bf16); 0: by pointers. PERSISTENT p (with TMA): p programs per SM walk the tiles; WS 1 (with
-PERSISTENT): their tile loop warp-specialised. Untimed:
+in bf16); 0: by pointers. PERSISTENT p (with TMA): p programs per SM walk the tiles. Untimed:
 scripts/bench_gemm_gelu.py tries them."""
 
 
@@ -176,16 +175,16 @@ if HAS_TRITON:
         M, N, K,
         B_IS_KN: tl.constexpr, BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        N_PROGRAMS: tl.constexpr, WS: tl.constexpr = False,
+        N_PROGRAMS: tl.constexpr,
     ):
         # The TMA product, persistent: N_PROGRAMS programs walk the tiles, and the tile and K loops
         # are flattened into one software pipeline, so the next tile's loads overlap this tile's
         # epilogue (with Hiera's K of 96-1536 the epilogue is a large share of each tile).
-        # WS: warp-specialised instead (Triton's automatic partitioning: TMA loads in a producer
-        # warp group, MMAs and the epilogue in consumers), not flattened.
+        # Warp-specialised instead (tl.range's warp_specialize, Triton 3.6), it hung on an H100
+        # (benchmarks/results/failed/h100_gemm_gelu_ws_hang.json; the code is in commit e2c25c5).
         n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         k_tiles = tl.cdiv(K, BLOCK_K)
-        for tile in tl.range(tl.program_id(0), n_tiles, N_PROGRAMS, flatten=not WS, warp_specialize=WS):
+        for tile in tl.range(tl.program_id(0), n_tiles, N_PROGRAMS, flatten=True):
             pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
@@ -240,7 +239,7 @@ def _launch(a, b, b_is_kn: bool, bias, hidden, n_out, backward: bool, config) ->
             if cfg.get("PERSISTENT"):
                 n_programs = min(grid[0], _sm_count(a.device) * cfg["PERSISTENT"])
                 _gemm_gelu_persistent_kernel[(n_programs,)](a_desc, b_desc, *tensors, M, n_out, K, B_IS_KN=b_is_kn,
-                                                            N_PROGRAMS=n_programs, WS=bool(cfg.get("WS")), **common)
+                                                            N_PROGRAMS=n_programs, **common)
             else:
                 _gemm_gelu_tma_kernel[grid](a_desc, b_desc, *tensors, M, n_out, K, B_IS_KN=b_is_kn, **common)
         else:
