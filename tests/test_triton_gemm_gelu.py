@@ -142,3 +142,19 @@ def test_best_by_width_takes_the_passes_that_won():
         "stage1": {"Hid": 384, "fwd": {"baseline": {}, "trials": []}},  # no config passed its checks
     }}
     assert gg.best_by_width(bench) == {2048: {"fwd": {"BLOCK_M": 128}}, 1536: {"bwd": {"BLOCK_M": 64}}}
+
+
+@cpu_only
+@pytest.mark.parametrize("ws", [False, True], ids=["flattened", "warp-specialised"])
+@pytest.mark.parametrize("gelu", [False, True], ids=["plain", "gelu"])
+def test_cpu_probe_ws_gemm_kernel(ws, gelu):
+    """scripts/probe_ws_gemm.py's persistent GEMM (tensor-descriptor loads and stores) in the
+    interpreter, odd sizes over 4 programs: x @ w^T, with erf-GELU where asked."""
+    probe = import_script("probe_ws_gemm")
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(37, 24, generator=gen), torch.randn(40, 24, generator=gen)
+    expected = x @ w.T
+    if gelu:
+        expected = F.gelu(expected)
+    got = probe.persistent_gemm(x, w, "16x16x16", 1, ws, gelu, programs=4)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
