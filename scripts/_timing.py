@@ -1,5 +1,5 @@
 """GPU timing and result bookkeeping shared by the kernel scripts (bench_attention_kernels.py,
-tune_attention.py, bench_layer_norm.py, bench_gelu.py)."""
+tune_attention.py, bench_layer_norm.py, bench_gelu.py, bench_gemm_gelu.py)."""
 
 
 def graph_replay_ms(fn, replays: int = 20, rounds: int = 5, warmup: int = 3) -> float:

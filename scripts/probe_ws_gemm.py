@@ -24,21 +24,18 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from hiera_autopatch.ops.triton.gemm_gelu import _tile  # (tile index) -> (row block, column block)
+
 
 @triton.jit
 def _persistent_gemm(a_desc, b_desc, c_desc, M, N, K,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      N_PROGRAMS: tl.constexpr, WS: tl.constexpr, GELU: tl.constexpr):
     # C (M, N) = A (M, K) @ B (N, K)^T, N_PROGRAMS programs walking the tiles in GROUP_M row groups
-    n_m = tl.cdiv(M, BLOCK_M)
-    n_n = tl.cdiv(N, BLOCK_N)
+    n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), n_m * n_n, N_PROGRAMS, flatten=not WS, warp_specialize=WS):
-        per_group = GROUP_M * n_n
-        first_m = (tile // per_group) * GROUP_M
-        group_rows = tl.minimum(n_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % group_rows
-        pid_n = (tile % per_group) // group_rows
+    for tile in tl.range(tl.program_id(0), n_tiles, N_PROGRAMS, flatten=not WS, warp_specialize=WS):
+        pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for kt in range(k_tiles):
             a = a_desc.load([pid_m * BLOCK_M, kt * BLOCK_K])  # (BLOCK_M, BLOCK_K)

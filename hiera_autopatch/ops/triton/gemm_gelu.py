@@ -19,22 +19,14 @@ times the bf16 ``d_act``. Whether this beats cuBLAS + Inductor on Hiera's shapes
 
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-try:  # the module must import without triton
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from ._runtime import HAS_TRITON, tl, triton
+from ._runtime import interpreting as _interpreting
+from ._runtime import on_device as _on_device
 
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4,
                   "TMA": 0}
@@ -230,7 +222,7 @@ def _launch(a, b, b_is_kn: bool, bias, hidden, n_out, backward: bool, config) ->
     # backward: ``bias`` is the (row blocks, n_out) fp32 buffer of the bias gradient's partial sums
     tensors = (bias if bias is not None else out, hidden if hidden is not None else out, out, act,
                bias if bias is not None else out)
-    with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+    with _on_device(a):
         if cfg.get("TMA"):
             from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -271,7 +263,7 @@ def matmul_gelu_backward(d_out: torch.Tensor, w2: torch.Tensor, hidden: torch.Te
                        dtype=torch.float32)  # (row blocks, Hid): every row written
     d_hidden, act = _launch(d_out, w2, True, part, hidden, Hid, True, config)
     d_bias = torch.empty(Hid, device=hidden.device, dtype=hidden.dtype)
-    with torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext():
+    with _on_device(hidden):
         _column_sums_kernel[(triton.cdiv(Hid, 32),)](part, d_bias, part.shape[0], F=Hid, BLOCK_P=64, BLOCK_W=32,
                                                      num_warps=4)
     return d_hidden, act, d_bias
@@ -285,8 +277,7 @@ def matmul_gelu_backward(d_out: torch.Tensor, w2: torch.Tensor, hidden: torch.Te
 
 def supports(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """2-D inputs of one float dtype, on CUDA (or on the CPU in Triton's interpreter, for tests)."""
-    on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return (HAS_TRITON and on_device and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return (HAS_TRITON and (x.is_cuda or _interpreting()) and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and all(w.dtype == x.dtype and w.device == x.device for w in weights))
 
 
