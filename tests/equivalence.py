@@ -261,3 +261,28 @@ def outputs_and_grads(fns, x, modules, upstream) -> List[List[torch.Tensor]]:
         out.backward(upstream)
         results.append([out.detach()] + [p.grad.clone() for p in params])
     return results
+
+
+def eager_and_compiled_gelu_mlp(bias: bool = True, width: int = 24, hidden: int = 96):
+    """``outputs_and_grads`` of timm's Mlp shape ``fc2(gelu(fc1(x)))`` in eager autograd and of
+    ``ops/mlp.GeluMlp`` under Inductor (fullgraph), from one seed: (eager, compiled). Dynamo is
+    reset before and after, so the module switches the caller set are the ones traced."""
+    import torch.nn.functional as F
+
+    from hiera_autopatch.ops import mlp
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    fc1, fc2 = torch.nn.Linear(width, hidden, bias=bias), torch.nn.Linear(hidden, width, bias=bias)
+    x = torch.randn(3, 10, width)
+    upstream = torch.randn(3, 10, width)
+
+    def fused(x):
+        return mlp.GeluMlp.apply(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+
+    try:
+        eager, compiled = outputs_and_grads((lambda x: fc2(F.gelu(fc1(x))), torch.compile(fused, fullgraph=True)),
+                                            x, (fc1, fc2), upstream)
+    finally:
+        torch._dynamo.reset()
+    return eager, compiled

@@ -126,23 +126,14 @@ def test_cpu_gelu_mlp_gradients_match_plain_autograd(monkeypatch, gelu_calls, bi
     """timm's Mlp shape ``fc2(gelu(fc1(x)))`` through ``GeluMlp`` under Inductor (CPU): output,
     input grad and every weight grad as plain eager autograd's; the kernel only with a bias, and
     without writing GELU's output where the forward kept it (``keep_act_widths``)."""
-    from equivalence import outputs_and_grads
+    from equivalence import eager_and_compiled_gelu_mlp
 
     from hiera_autopatch.ops import mlp
 
     monkeypatch.setattr(mlp, "keep_act_widths", frozenset({96} if keep_act else ()))
-    torch.manual_seed(0)
-    fc1, fc2 = torch.nn.Linear(24, 96, bias=bias), torch.nn.Linear(96, 24, bias=bias)
-    x = torch.randn(3, 10, 24)
-    upstream = torch.randn(3, 10, 24)
-
-    def fused(x):
-        return mlp.GeluMlp.apply(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
-
-    results = outputs_and_grads((lambda x: fc2(F.gelu(fc1(x))), torch.compile(fused, fullgraph=True)),
-                                x, (fc1, fc2), upstream)
+    eager, compiled = eager_and_compiled_gelu_mlp(bias)
     assert gelu_calls == ([("kept act", 3, 10, 96) if keep_act else (3, 10, 96)] if bias else [])
-    for i, (actual, expected) in enumerate(zip(results[1], results[0])):
+    for i, (actual, expected) in enumerate(zip(compiled, eager)):
         assert_close(f"tensor {i}", actual, expected, torch.float32)
 
 

@@ -107,29 +107,14 @@ def test_cpu_gelu_mlp_with_gelu_in_the_epilogues_matches_plain_autograd(monkeypa
     """``CONFIG_BY_WIDTH`` lists the width: ``ops/mlp.GeluMlp`` under Inductor (CPU) runs fc1 with GELU
     in its epilogue and fc2's data gradient with GELU's gradient, GELU and fc1's bias sums in its
     epilogue; output, input grad and every weight grad as plain eager autograd's."""
-    from equivalence import outputs_and_grads
+    from equivalence import count_calls, eager_and_compiled_gelu_mlp
 
-    from hiera_autopatch.ops import mlp
-
-    calls = []
-    for name in ("linear_gelu", "matmul_gelu_backward"):
-        original = getattr(gg, name)
-        monkeypatch.setattr(gg, name, lambda *a, _f=original, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
+    forward_calls = count_calls(monkeypatch, gg, "linear_gelu")
+    backward_calls = count_calls(monkeypatch, gg, "matmul_gelu_backward")
     monkeypatch.setattr(gg, "CONFIG_BY_WIDTH", {96: {"fwd": SMALL, "bwd": SMALL}})
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    fc1, fc2 = torch.nn.Linear(24, 96), torch.nn.Linear(96, 24)
-    x = torch.randn(3, 10, 24)
-    upstream = torch.randn(3, 10, 24)
-
-    def fused(x):
-        return mlp.GeluMlp.apply(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
-
-    results = outputs_and_grads((lambda x: fc2(F.gelu(fc1(x))), torch.compile(fused, fullgraph=True)),
-                                x, (fc1, fc2), upstream)
-    torch._dynamo.reset()
-    assert calls == ["linear_gelu", "matmul_gelu_backward"]
-    for i, (actual, expected) in enumerate(zip(results[1], results[0])):
+    eager, compiled = eager_and_compiled_gelu_mlp()
+    assert (len(forward_calls), len(backward_calls)) == (1, 1)
+    for i, (actual, expected) in enumerate(zip(compiled, eager)):
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"tensor {i}")
 
 
