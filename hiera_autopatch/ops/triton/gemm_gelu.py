@@ -81,6 +81,16 @@ if HAS_TRITON:
         return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
 
     @triton.jit
+    def _load_b_tile(b_desc, k0, off_n, B_IS_KN: tl.constexpr):
+        # (BLOCK_K, BLOCK_N) tile of B at (k0, off_n): b_desc holds w2 (K, N) when B_IS_KN, else
+        # w1 (N, K), used transposed
+        if B_IS_KN:
+            b = b_desc.load([k0, off_n])
+        else:
+            b = tl.trans(b_desc.load([off_n, k0]))  # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
+        return b
+
+    @triton.jit
     def _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, PART,
                   BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -146,18 +156,14 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         # The same product with A and B tiles fetched by tensor descriptors (Hopper's TMA; zero
-        # padding past the edges). b_desc: w2 (K, N) when B_IS_KN, else w1 (N, K), used transposed.
+        # padding past the edges).
         pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             a = a_desc.load([off_m, k0])  # (BLOCK_M, BLOCK_K)
-            if B_IS_KN:
-                b = b_desc.load([k0, off_n])  # (BLOCK_K, BLOCK_N)
-            else:
-                b = tl.trans(b_desc.load([off_n, k0]))  # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(a, _load_b_tile(b_desc, k0, off_n, B_IS_KN), acc, input_precision=DOT_PRECISION)
         _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, PART, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
@@ -183,10 +189,7 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for kt in range(k_tiles):
                 a = a_desc.load([off_m, kt * BLOCK_K])  # (BLOCK_M, BLOCK_K)
-                if B_IS_KN:
-                    b = b_desc.load([kt * BLOCK_K, off_n])  # (BLOCK_K, BLOCK_N)
-                else:
-                    b = tl.trans(b_desc.load([off_n, kt * BLOCK_K]))  # (BLOCK_N, BLOCK_K) -> (BLOCK_K, BLOCK_N)
+                b = _load_b_tile(b_desc, kt * BLOCK_K, off_n, B_IS_KN)  # (BLOCK_K, BLOCK_N)
                 acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
             _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, PART, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
 
