@@ -73,7 +73,7 @@ INDUCTOR_SWITCHES = {
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
             "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", "fused_ln", "inductor_ln",
             "ln_variant", "ln_by_width", "no_dx_sum", "inductor_gelu", "gelu_variant", "gelu_by_width", "gelu_one_launch", "pdl_ours",
-            "keep_act", "keep_act_all", "gemm_gelu", *INDUCTOR_SWITCHES)
+            "keep_act", "keep_act_all", "gemm_gelu", "mask_in_graph", *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 KEEP_ACT_DECODER = frozenset({2048})  # +keep_act: the MAE decoder's MLP (512 -> 2048)
 KEEP_ACT_ALL = frozenset({384, 768, 1536, 3072, 2048})  # +keep_act_all: Hiera-B's four stages and the decoder
@@ -113,8 +113,9 @@ def parse_mode(mode: str) -> dict:
     keep_act / keep_act_all (the MLP's forward keeps GELU's output for backward instead of
     recomputing it, ops/mlp.keep_act_widths: the MAE decoder's width 2048 / every Hiera-B MAE width),
     gemm_gelu (the MLP GEMMs with GELU in their epilogue where ``--gemm-gelu-bench`` found them faster,
-    ops/triton/gemm_gelu.CONFIG_BY_WIDTH), or one of ``INDUCTOR_SWITCHES`` (Inductor options of the graphed step); #n: a repeat, timed
-    again (interleaved A/B).
+    ops/triton/gemm_gelu.CONFIG_BY_WIDTH), mask_in_graph (the forward graph draws FAIR's random mask
+    itself: ops/step_graph.mask_in_graph), or one of ``INDUCTOR_SWITCHES`` (Inductor options of the
+    graphed step); #n: a repeat, timed again (interleaved A/B).
     """
     rest, _, repeat = mode.partition("#")
     rest, _, switches = rest.partition("+")
@@ -423,6 +424,7 @@ def main(argv=None) -> int:
     shipped_ln_by_width = dict(triton_layer_norm.LAUNCH_BY_WIDTH)
     shipped_keep_act = mlp_ops.keep_act_widths
     shipped_gemm_gelu = dict(triton_gemm_gelu.CONFIG_BY_WIDTH)
+    shipped_mask_in_graph = step_graph.mask_in_graph
     if args.gemm_gelu_bench:
         with open(args.gemm_gelu_bench) as fh:
             gemm_gelu_table = triton_gemm_gelu.best_by_width(json.load(fh))
@@ -447,6 +449,7 @@ def main(argv=None) -> int:
         step_graph.compile_options = inductor_options(spec["switches"])
         step_graph.backward_graph = "one_graph" not in spec["switches"]
         step_graph.capture = "no_capture" not in spec["switches"]
+        step_graph.mask_in_graph = shipped_mask_in_graph or "mask_in_graph" in spec["switches"]
         loss_ops.decoder_rows = "full_decoder" not in spec["switches"]
         patch_embed_ops.aligned = "unaligned_embed" not in spec["switches"]
         fusion_head_ops.as_matmul = "conv_heads" not in spec["switches"]

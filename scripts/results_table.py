@@ -96,6 +96,7 @@ SWITCH_LABELS = {
     "keep_act": "the decoder MLPs keep GELU's output for backward",
     "keep_act_all": "every MLP keeps GELU's output for backward",
     "gemm_gelu": "the MLP GEMMs with GELU in their epilogue where bench_gemm_gelu.py found them faster",
+    "mask_in_graph": "the forward graph draws the random mask itself",
     "no_dx_sum": "bias gradients that sum a block LayerNorm's input gradient as Inductor's reductions",
     "coop": "Inductor cooperative reductions",
     "aggressive": "Inductor aggressive fusion",

@@ -116,16 +116,32 @@ def test_batch_past_fused_limit_is_split_and_stays_fused():
     assert (out.float() - ref).norm() / ref.norm() < 1e-2
 
 
-def test_graphs_mode_matches_eager_patched():
-    """HIERA_OPTIM_GRAPHS: same masks, losses and grads as eager within bf16 noise, over steps."""
+@pytest.mark.parametrize("mask_in_graph", [False, True], ids=["mask_drawn_eagerly", "mask_in_graph"])
+def test_graphs_mode_matches_eager_patched(monkeypatch, mask_in_graph):
+    """HIERA_OPTIM_GRAPHS: same masks, losses and grads as eager within bf16 noise, over steps, and
+    the RNG left where eager steps leave it; with the mask drawn eagerly or by the forward graph
+    (its capture's warm-ups draw masks too, and must not shift the first step's)."""
+    monkeypatch.setattr(step_graph, "mask_in_graph", mask_in_graph)
     torch.manual_seed(0)
     model = hiera.mae_hiera_base_224().cuda().to(torch.bfloat16)
     twin = copy.deepcopy(model)
     x = images(32).to(torch.bfloat16)
-    eager = [run_step(model, x, mae_call, seed=s) for s in range(3)]
+
+    def steps(net):
+        results, next_draws = [], []
+        for seed in range(3):
+            results.append(run_step(net, x, mae_call, seed=seed))
+            next_draws.append(torch.rand(4, device="cuda"))
+        return results, next_draws
+
+    eager, eager_draws = steps(model)
+    step_graph.reset()
     step_graph.enabled = True
-    graphed = [run_step(twin, x, mae_call, seed=s) for s in range(3)]
+    graphed, graphed_draws = steps(twin)
     assert step_graph.status()["compiled_steps"] == 1 and not step_graph.status()["failed"]
+    (graph,) = step_graph._graphs[twin].values()
+    assert (graph.draw is not None) == mask_in_graph and graph.forward_graph is not None
+    assert all(torch.equal(a, b) for a, b in zip(eager_draws, graphed_draws))
     for e, g in zip(eager, graphed):
         assert torch.equal(e.outputs[-1], g.outputs[-1])  # the mask
         assert abs(e.outputs[0].item() - g.outputs[0].item()) <= 2e-2 * abs(e.outputs[0].item())

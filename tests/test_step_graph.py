@@ -286,3 +286,52 @@ def test_a_dropped_model_is_freed_with_its_graphs(graphs):
     gc.collect()
     assert alive() is None
     assert graphs.status()["captured_graphs"] == 0 and len(graphs._pools) == 0
+
+
+def test_the_forward_graph_draws_fairs_mask_itself(graphs, monkeypatch):
+    """``mask_in_graph``: the forward graph draws FAIR's mask with FAIR's own code. Seeded steps see
+    FAIR's masks, outputs, input grad and every weight grad, and leave the RNG where FAIR's leave it;
+    a mask ratio is part of the graph's signature. A mask the caller passes, or a subclass's own
+    ``get_random_mask``, is not drawn by the graph."""
+    monkeypatch.setattr(graphs, "mask_in_graph", True)
+    model, x = model_and_input()
+
+    def steps(net, ratio):
+        results, next_draws = [], []
+        for seed in (1, 2):
+            results.append(run_step(net, x, lambda m, x: m(x, mask_ratio=ratio), seed=seed))
+            next_draws.append(torch.rand(4))  # what the RNG hands out after the step
+        return results, next_draws
+
+    for captures, ratio in ((1, 0.6), (2, 0.75)):
+        graphed, graphed_draws = steps(model, ratio)
+        with hiera_autopatch.disabled():
+            fair, fair_draws = steps(model, ratio)
+        for reference, result in zip(fair, graphed):
+            assert_equivalent(reference, result, FP32_OUT, FP32_GRAD)  # the masks: exactly equal
+        assert all(torch.equal(a, b) for a, b in zip(fair_draws, graphed_draws))
+        graphs_of_model = list(graphs._graphs[model].values())
+        assert len(graphs_of_model) == captures and all(g.draw is not None for g in graphs_of_model)
+    assert graphs.status()["recomputed_backwards"] == 0 and graphs.status()["failed"] == []
+
+    given = input_for(model, seed=3)
+    torch.manual_seed(8)
+    mask = model.get_random_mask(given, 0.6)
+    result = run_step(model, given, lambda m, x: m(x, mask_ratio=0.6, mask=mask))
+    with hiera_autopatch.disabled():
+        reference = run_step(model, given, lambda m, x: m(x, mask_ratio=0.6, mask=mask))
+    assert_equivalent(reference, result, FP32_OUT, FP32_GRAD)
+    assert [g.draw is None for g in graphs._graphs[model].values()] == [False, False, True]
+
+    class OwnMask(type(model)):
+        def get_random_mask(self, x, mask_ratio):
+            return super().get_random_mask(x, mask_ratio).flip(1)
+
+    own = copy.deepcopy(model)
+    own.__class__ = OwnMask
+    result = run_step(own, x, lambda m, x: m(x, mask_ratio=0.6), seed=1)
+    with hiera_autopatch.disabled():
+        reference = run_step(own, x, lambda m, x: m(x, mask_ratio=0.6), seed=1)
+    assert_equivalent(reference, result, FP32_OUT, FP32_GRAD)
+    (graph,) = graphs._graphs[own].values()
+    assert graph.draw is None

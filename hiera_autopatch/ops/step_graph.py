@@ -1,7 +1,8 @@
 """Zero-edit CUDA graphs: the static MAE step, forward and backward, replayed as CUDA graphs.
 
 Off unless ``HIERA_OPTIM_GRAPHS=1``. The random mask is drawn eagerly before the graph (the same RNG
-use as FAIR's), so seeded runs see the same masks with and without graphs.
+use as FAIR's), so seeded runs see the same masks with and without graphs; with ``mask_in_graph`` it
+is drawn inside the forward graph instead (see there).
 
 How a training step runs:
 
@@ -37,7 +38,7 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -56,6 +57,15 @@ capture = True
 """False: run the compiled step (its forward at the call, autograd.grad at backward) without
 capturing it, as on the CPU: its kernels then show which host op launched them
 (``scripts/profile_step.py``'s ``+no_capture`` switch)."""
+
+mask_in_graph = False
+"""True: where the caller lets us (``MaskDraw``: FAIR's own ``get_random_mask``, no mask given), the
+mask is drawn inside the forward graph, by FAIR's code run eagerly (not compiled) during the capture,
+so the host launches one graph instead of the mask's ~7 kernels, a copy and the graph. A replay
+draws what the eager call would: CUDA's generator hands a graph its current seed and offset at each
+replay and advances the offset by what the capture used, as eager calls advance it; the warm-up
+runs' draws are undone (the generator's state is restored after the capture). Off until timed on a
+GPU (``scripts/profile_step.py``'s ``+mask_in_graph``)."""
 
 compile_options: Dict[str, object] = {}
 """Inductor options of the compiled step, over ``default_options()``. Experiments
@@ -108,6 +118,15 @@ _pools: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDic
 _generation = 0  # bumped by every replay: a graph's buffers are valid until the next replay
 _counts = {"replays": 0, "recomputed_backwards": 0}
 _warned: set = set()
+
+
+class MaskDraw(NamedTuple):
+    """A mask the forward graph draws itself: ``draw(module, x)`` -> (B, L) bool, FAIR's
+    ``get_random_mask``; ``key``: what else its values depend on (the mask ratio), for the graph's
+    signature."""
+
+    draw: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+    key: tuple
 
 
 def wanted(x: torch.Tensor) -> bool:
@@ -204,37 +223,55 @@ def _tensors_of(module: torch.nn.Module) -> Tuple[List[torch.Tensor], List[torch
     return cached[3], cached[4]
 
 
-def _signature(module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, n_keep: int, params, buffers) -> tuple:
+Mask = Union[torch.Tensor, MaskDraw]  # given, or drawn by the forward graph
+
+
+def _signature(module: torch.nn.Module, x: torch.Tensor, mask: Mask, n_keep: int, params, buffers) -> tuple:
     """Everything a captured graph depends on: shapes, modes, and where every weight lives."""
     weights = tuple((id(p), p.data_ptr(), p.requires_grad) for p in params)  # backward hands grads to these
     buffers = tuple(b.data_ptr() for b in buffers)
-    return (tuple(x.shape), x.dtype, x.device, x.requires_grad, tuple(mask.shape), mask.dtype, n_keep,
+    masking = ("drawn", *mask.key) if isinstance(mask, MaskDraw) else (tuple(mask.shape), mask.dtype)
+    return (tuple(x.shape), x.dtype, x.device, x.requires_grad, masking, n_keep,
             module.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
             autocast_dtype(x.device.type), weights, buffers)
 
 
 @torch.compiler.disable  # under the user's torch.compile: a graph break, this runs as it would eagerly
-def run(step: Callable, module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, n_keep: int):
+def run(step: Callable, module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor, n_keep: int) -> tuple:
     """``step(module, x, mask, n_keep)`` (a tuple of tensors, the loss first) through CUDA graphs;
     eager if they cannot be built."""
-    if step in _broken:
-        return step(module, x, mask, n_keep)
-    try:
-        params, buffers = _tensors_of(module)
-        graph = _graph_for(step, module, x, mask, n_keep, params, buffers)
-        if graph is None:
-            return step(module, x, mask, n_keep)
-    except Exception as exc:  # keep the user's run going: eager is slower, never wrong
-        _pools.pop(module, None)
-        _broken[step] = repr(exc)
-        _warn_once(f"broken {id(step)}", f"CUDA graphs off for this model ({exc!r}); running eagerly")
-        return step(module, x, mask, n_keep)
+    return _run(step, module, x, mask, n_keep)[0]
+
+
+@torch.compiler.disable
+def run_drawing(step: Callable, module: torch.nn.Module, x: torch.Tensor, draw: MaskDraw, n_keep: int) -> tuple:
+    """``run`` with the mask drawn by the forward graph (``mask_in_graph``): ``(*outputs, mask)``."""
+    outputs, mask = _run(step, module, x, draw, n_keep)
+    return (*outputs, mask)
+
+
+def _run(step: Callable, module: torch.nn.Module, x: torch.Tensor, mask: Mask, n_keep: int
+         ) -> Tuple[tuple, torch.Tensor]:
+    """(the step's outputs, the mask it used)."""
+    graph = None
+    if step not in _broken:
+        try:
+            params, buffers = _tensors_of(module)
+            graph = _graph_for(step, module, x, mask, n_keep, params, buffers)
+        except Exception as exc:  # keep the user's run going: eager is slower, never wrong
+            _pools.pop(module, None)
+            _broken[step] = repr(exc)
+            _warn_once(f"broken {id(step)}", f"CUDA graphs off for this model ({exc!r}); running eagerly")
+    if graph is None:
+        if isinstance(mask, MaskDraw):
+            mask = mask.draw(module, x)
+        return step(module, x, mask, n_keep), mask
     # replayed before the autograd Function is entered: its bookkeeping of ~400 inputs then runs
     # while the GPU already works, not in front of it
-    graph.replay(x, mask)
+    mask = graph.replay(x, mask)
     if not graph.with_grad:
-        return tuple(out.clone() for out in graph.outputs)
-    return WholeStep.apply(graph, x, mask, *graph.weights)
+        return tuple(out.clone() for out in graph.outputs), mask
+    return WholeStep.apply(graph, x, mask, *graph.weights), mask
 
 
 def _graph_for(step, module, x, mask, n_keep, params, buffers) -> Optional["StepGraph"]:
@@ -254,7 +291,7 @@ class StepGraph:
     """One captured ``step`` for one signature: a forward graph, and the loss's backward as a second
     graph (``split``) or inside the forward's (see ``backward_graph``)."""
 
-    def __init__(self, step: Callable, module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor,
+    def __init__(self, step: Callable, module: torch.nn.Module, x: torch.Tensor, mask: Mask,
                  n_keep: int, params: Sequence[torch.Tensor]):
         self.step, self.n_keep = step, n_keep
         # weakly: _graphs and _pools are keyed by the model, so a strong reference here would keep
@@ -265,7 +302,8 @@ class StepGraph:
         self.with_grad = torch.is_grad_enabled() and bool(self.weights or self.input_grad)
         self.split = self.with_grad and (backward_graph or _needs_loss_scale(x, params))
         self.static_x = x.detach().clone().requires_grad_(self.input_grad)
-        self.static_mask = mask.detach().clone()
+        self.draw = mask if isinstance(mask, MaskDraw) else None  # drawn by the forward graph
+        self.static_mask = None if self.draw else mask.detach().clone()
         self.static_d_loss: Optional[torch.Tensor] = None  # the loss's incoming gradient
         self.autocast = autocast_dtype(x.device.type)  # part of the signature: fixed per graph
         self.compiled = _compile(step)
@@ -280,6 +318,8 @@ class StepGraph:
 
     def _forward_body(self):
         """The compiled forward; the loss keeps its autograd graph for ``_backward_body``."""
+        if self.draw is not None:  # eager ops, captured: each replay draws as FAIR's call would
+            self.static_mask = self.draw.draw(self.module, self.static_x)  # (B, L) bool
         outputs = self.compiled(self.module, self.static_x, self.static_mask, self.n_keep)
         self.loss = outputs[0]
         self.outputs = [out.detach() for out in outputs]
@@ -302,6 +342,15 @@ class StepGraph:
             self._backward_body()
 
     def _capture(self) -> None:
+        device = self.static_x.device
+        rng = torch.cuda.get_rng_state(device) if self.draw else None  # the warm-ups draw masks too
+        try:
+            self._warm_up_and_capture()
+        finally:
+            if rng is not None:
+                torch.cuda.set_rng_state(rng, device)  # the first replay draws this call's mask
+
+    def _warm_up_and_capture(self) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -328,17 +377,20 @@ class StepGraph:
             _end_generator_capture()
             raise
 
-    def replay(self, x: torch.Tensor, mask: torch.Tensor) -> None:
-        """The forward (and, unless split, the backward) for this x and mask."""
+    def replay(self, x: torch.Tensor, mask: Mask) -> torch.Tensor:
+        """The forward (and, unless split, the backward) for this x and mask; returns the mask, given
+        or (a copy of) the one the graph drew."""
         with torch.no_grad():
             self.static_x.copy_(x)
-            self.static_mask.copy_(mask)
+            if self.draw is None:
+                self.static_mask.copy_(mask)
         if self.forward_graph is None:
             with torch.set_grad_enabled(self.with_grad):  # not captured: the body, run now
                 self._run_forward()
         else:
             self.forward_graph.replay()
         _replayed()
+        return mask if self.draw is None else self.static_mask.clone()
 
     def replay_backward(self, d_loss: torch.Tensor) -> List[Optional[torch.Tensor]]:
         """Split graphs: the backward from ``d_loss``; its gradients, copied out of the graph's memory."""

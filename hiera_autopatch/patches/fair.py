@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -229,6 +229,15 @@ def make_mae_forward_encoder(original: Callable, cls: type) -> Callable:
             return mask, masking.static_keep_count(mask.shape[1], mask_ratio)
         return mask, masking.keep_count(mask)  # a subclass's own masking: count it
 
+    def mask_draw(self, mask_ratio) -> Optional[Tuple[step_graph.MaskDraw, int]]:
+        """FAIR's random mask as our forward graph draws it itself, and its keep count; None where
+        a subclass masks its own way."""
+        if type(self).get_random_mask is not fair_random_mask:
+            return None
+        num_units = math.prod(self.mask_spatial_shape)  # as get_random_mask's num_windows
+        draw = step_graph.MaskDraw(lambda module, x: fair_random_mask(module, x, mask_ratio), (mask_ratio,))
+        return draw, masking.static_keep_count(num_units, mask_ratio)
+
     def encode_kept(self, x, mask, n_keep: int):
         """Encoder features of the ``n_keep`` visible units, fused across scales."""
         _, intermediates = encode(self, x, mask, n_keep, True, kept_classes)
@@ -251,6 +260,7 @@ def make_mae_forward_encoder(original: Callable, cls: type) -> Callable:
         return encode_kept(self, x, mask, n_keep), mask
 
     mae_forward_encoder.random_mask = random_mask
+    mae_forward_encoder.mask_draw = mask_draw
     mae_forward_encoder.encode_kept = encode_kept
     return mae_forward_encoder
 
@@ -384,12 +394,17 @@ def make_mae_forward(original: Callable, cls: type) -> Callable:
 
     def mae_forward(self, x, mask_ratio=0.6, mask=None):
         """FAIR's forward. With our encoder, decoder and loss in place, the keep count is known
-        up front and the step after the (eager, FAIR-identical) random mask has static shapes."""
+        up front and the step after the (eager, FAIR-identical) random mask has static shapes; our
+        CUDA graphs can draw that mask themselves (``step_graph.mask_in_graph``)."""
         owner = type(self)
         forward_loss = owner.forward_loss
         ours_loss = getattr(forward_loss, _base.MARKER, None) == "fair.mae_loss"
         unchanged = owner.forward_encoder is encoder and owner.forward_decoder is decoder
         if static_parts and unchanged and ours_loss:
+            drawn = mask is None and step_graph.mask_in_graph and step_graph.wanted(x)
+            draw = encoder.mask_draw(self, mask_ratio) if drawn else None
+            if draw is not None:  # the forward graph draws FAIR's mask itself
+                return step_graph.run_drawing(static_step, self, x, *draw)
             if mask is None:
                 mask, n_keep = encoder.random_mask(self, x, mask_ratio)
             else:
