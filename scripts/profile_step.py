@@ -73,7 +73,8 @@ INDUCTOR_SWITCHES = {
 SWITCHES = ("kept_embed", "full_embed", "tuned_attention", "one_graph", "no_capture", "decoder_rows",
             "full_decoder", "unaligned_embed", "conv_heads", "bias_sums", "kernel_bias_grad", "cublaslt", "fused_ln", "inductor_ln",
             "ln_variant", "ln_by_width", "no_dx_sum", "inductor_gelu", "gelu_variant", "gelu_by_width", "gelu_one_launch", "pdl_ours",
-            "keep_act", "keep_act_all", "gemm_gelu", "mask_in_graph", *INDUCTOR_SWITCHES)
+            "no_pdl_ours", "ln_one_launch", "keep_act", "keep_act_all", "gemm_gelu", "mask_in_graph", "eager_mask",
+            *INDUCTOR_SWITCHES)
 SDPA_BACKENDS = ("flash", "efficient", "cudnn")
 KEEP_ACT_DECODER = frozenset({2048})  # +keep_act: the MAE decoder's MLP (512 -> 2048)
 KEEP_ACT_ALL = frozenset({384, 768, 1536, 3072, 2048})  # +keep_act_all: Hiera-B's four stages and the decoder
@@ -109,12 +110,15 @@ def parse_mode(mode: str) -> dict:
     ops/mlp.fused_gelu_backward), gelu_variant (our GELU backward launched as ``--gelu-variant``
     says, at every width), gelu_by_width / gelu_one_launch (our GELU backward launched per row width
     as ops/triton/gelu.BEST_BY_WIDTH says, shipped since session 26 / at gelu.LAUNCH for every
-    width), pdl_ours (our Triton kernels with programmatic dependent launch: ops/triton/_runtime.PDL),
+    width), pdl_ours / no_pdl_ours (our Triton kernels with / without programmatic dependent launch:
+    ops/triton/_runtime.PDL, on since session 32), ln_one_launch (the LayerNorm backward at
+    ``layer_norm.LAUNCH`` for every width, as before session 32; ``ln_by_width`` names the default),
     keep_act / keep_act_all (the MLP's forward keeps GELU's output for backward instead of
     recomputing it, ops/mlp.keep_act_widths: the MAE decoder's width 2048 / every Hiera-B MAE width),
     gemm_gelu (the MLP GEMMs with GELU in their epilogue where ``--gemm-gelu-bench`` found them faster,
-    ops/triton/gemm_gelu.CONFIG_BY_WIDTH), mask_in_graph (the forward graph draws FAIR's random mask
-    itself: ops/step_graph.mask_in_graph), or one of ``INDUCTOR_SWITCHES`` (Inductor options of the
+    ops/triton/gemm_gelu.CONFIG_BY_WIDTH), mask_in_graph / eager_mask (the forward graph draws FAIR's
+    random mask itself, the default since session 32 / the host draws it before the graph:
+    ops/step_graph.mask_in_graph), or one of ``INDUCTOR_SWITCHES`` (Inductor options of the
     graphed step); #n: a repeat, timed again (interleaved A/B).
     """
     rest, _, repeat = mode.partition("#")
@@ -449,14 +453,15 @@ def main(argv=None) -> int:
         step_graph.compile_options = inductor_options(spec["switches"])
         step_graph.backward_graph = "one_graph" not in spec["switches"]
         step_graph.capture = "no_capture" not in spec["switches"]
-        step_graph.mask_in_graph = shipped_mask_in_graph or "mask_in_graph" in spec["switches"]
+        step_graph.mask_in_graph = ((shipped_mask_in_graph or "mask_in_graph" in spec["switches"])
+                                    and "eager_mask" not in spec["switches"])
         loss_ops.decoder_rows = "full_decoder" not in spec["switches"]
         patch_embed_ops.aligned = "unaligned_embed" not in spec["switches"]
         fusion_head_ops.as_matmul = "conv_heads" not in spec["switches"]
         attention_ops.fused_bias_grad = "kernel_bias_grad" in spec["switches"]
         layer_norm_ops.dx_sums = shipped_dx_sums and "no_dx_sum" not in spec["switches"]
         mlp_ops.fused_gelu_backward = shipped_fused_gelu and "inductor_gelu" not in spec["switches"]
-        triton_runtime.PDL = shipped_pdl or "pdl_ours" in spec["switches"]
+        triton_runtime.PDL = (shipped_pdl or "pdl_ours" in spec["switches"]) and "no_pdl_ours" not in spec["switches"]
         mlp_ops.keep_act_widths = (KEEP_ACT_ALL if "keep_act_all" in spec["switches"]
                                    else KEEP_ACT_DECODER if "keep_act" in spec["switches"] else shipped_keep_act)
         triton_gemm_gelu.CONFIG_BY_WIDTH = gemm_gelu_table if "gemm_gelu" in spec["switches"] else shipped_gemm_gelu
@@ -469,7 +474,7 @@ def main(argv=None) -> int:
                                          or (shipped_fused_ln and "inductor_ln" not in spec["switches"]))
         triton_layer_norm.LAUNCH = ln_variant_launch if "ln_variant" in spec["switches"] else shipped_ln_launch
         triton_layer_norm.LAUNCH_BY_WIDTH = (
-            {} if "ln_variant" in spec["switches"]
+            {} if {"ln_variant", "ln_one_launch"} & set(spec["switches"])
             else dict(triton_layer_norm.BEST_BY_WIDTH) if "ln_by_width" in spec["switches"]
             else shipped_ln_by_width)
         # +cublaslt: ATen's matmuls (Inductor's extern mm/addmm too) through cuBLASLt's own heuristics

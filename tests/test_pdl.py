@@ -1,4 +1,4 @@
-"""Programmatic dependent launch for our Triton kernels (ops/triton/_runtime.PDL, off by default).
+"""Programmatic dependent launch for our Triton kernels (ops/triton/_runtime.PDL, on by default since session 32).
 
 Timing is the GPU's business (scripts/profile_step.py's +pdl_ours) and so is the graphed step's
 equivalence with it (tests/test_gpu.py). Here, without a GPU: every kernel compiled for sm_90 with

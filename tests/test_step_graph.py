@@ -61,7 +61,9 @@ def assert_grads_match_fair(training_step, tol=FP32_GRAD):
         assert err <= tol, f"{name}: relative error {err:.3g}"
 
 
-def test_whole_step_matches_fair_and_uses_the_captured_grads(graphs):
+@pytest.mark.parametrize("mask_in_graph", [True, False], ids=["mask_in_graph", "eager_mask"])
+def test_whole_step_matches_fair_and_uses_the_captured_grads(graphs, monkeypatch, mask_in_graph):
+    monkeypatch.setattr(graphs, "mask_in_graph", mask_in_graph)
     model, x = model_and_input()
     graphed = [run_step(model, x, lambda m, x: m(x, mask_ratio=0.6), seed=s) for s in (1, 2)]
     with hiera_autopatch.disabled():
@@ -72,6 +74,8 @@ def test_whole_step_matches_fair_and_uses_the_captured_grads(graphs):
     assert hiera_autopatch.status()["graph_steps"] == status
     assert status["captured_graphs"] == 1 and status["replays"] == (4 if graphs.backward_graph else 2)
     assert status["recomputed_backwards"] == 0 and status["failed"] == []
+    (graph,) = graphs._graphs[model].values()
+    assert (graph.draw is not None) == mask_in_graph
 
 
 def test_scaled_loss_and_accumulation_over_micro_batches(graphs):
@@ -289,7 +293,7 @@ def test_a_dropped_model_is_freed_with_its_graphs(graphs):
 
 
 def test_the_forward_graph_draws_fairs_mask_itself(graphs, monkeypatch):
-    """``mask_in_graph``: the forward graph draws FAIR's mask with FAIR's own code. Seeded steps see
+    """``mask_in_graph`` (the default): the forward graph draws FAIR's mask with FAIR's own code. Seeded steps see
     FAIR's masks, outputs, input grad and every weight grad, and leave the RNG where FAIR's leave it;
     a mask ratio is part of the graph's signature. A mask the caller passes, or a subclass's own
     ``get_random_mask``, is not drawn by the graph."""

@@ -114,9 +114,9 @@ def test_cpu_prefetching_backward_matches_aten(monkeypatch, rows, width, residua
 @pytest.mark.parametrize("rows,width", [(37, 96), (130, 72)])
 def test_cpu_launch_by_width_is_used_and_matches_aten(monkeypatch, rows, width):
     """``LAUNCH_BY_WIDTH``: rows of a listed width take that launch (the kernel's tile and prefetch
-    follow it), others ``LAUNCH``; both match ATen. Empty as shipped; ``BEST_BY_WIDTH`` parses back
-    to its own text."""
-    assert tln.LAUNCH_BY_WIDTH == {}
+    follow it), others ``LAUNCH``; both match ATen. ``BEST_BY_WIDTH`` as shipped (session 32); it
+    parses back to its own text."""
+    assert tln.LAUNCH_BY_WIDTH == tln.BEST_BY_WIDTH and tln.LAUNCH_BY_WIDTH is not tln.BEST_BY_WIDTH
     other = tln.Launch.parse("4x1024x2x8p")
     monkeypatch.setattr(tln, "LAUNCH_BY_WIDTH", {width: other})
     assert tln.launch_for(width) is other and tln.launch_for(width + 1) is tln.LAUNCH

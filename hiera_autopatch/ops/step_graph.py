@@ -1,8 +1,8 @@
 """Zero-edit CUDA graphs: the static MAE step, forward and backward, replayed as CUDA graphs.
 
-Off unless ``HIERA_OPTIM_GRAPHS=1``. The random mask is drawn eagerly before the graph (the same RNG
-use as FAIR's), so seeded runs see the same masks with and without graphs; with ``mask_in_graph`` it
-is drawn inside the forward graph instead (see there).
+Off unless ``HIERA_OPTIM_GRAPHS=1``. FAIR's random mask is drawn inside the forward graph, by
+FAIR's own code, with the same RNG use as FAIR's (``mask_in_graph``), so seeded runs see the same
+masks with and without graphs; a mask the caller passes is copied in.
 
 How a training step runs:
 
@@ -11,9 +11,9 @@ How a training step runs:
    ``torch.cuda.CUDAGraph`` and ``torch.autograd.grad`` of the loss (with respect to every
    parameter that requires grad, and the input if it does) in a second one, after two warm-up runs
    on a side stream.
-2. A call copies the input and mask into the forward graph's static buffers and replays it: the
-   forward is one launch. Returned tensors are cloned out of the graph's memory, so keeping them is
-   safe.
+2. A call copies the input (and a mask the caller passed) into the forward graph's static buffers
+   and replays it: the forward is one launch. Returned tensors are cloned out of the graph's
+   memory, so keeping them is safe.
 3. The user's ``loss.backward()`` reaches ``WholeStep.backward``, which copies the loss's incoming
    gradient into the backward graph's static buffer and replays it: the gradients are the bits a
    backward of the compiled step would give, for any loss scale (``loss / n``, a GradScaler's).
@@ -58,14 +58,17 @@ capture = True
 capturing it, as on the CPU: its kernels then show which host op launched them
 (``scripts/profile_step.py``'s ``+no_capture`` switch)."""
 
-mask_in_graph = False
+mask_in_graph = True
 """True: where the caller lets us (``MaskDraw``: FAIR's own ``get_random_mask``, no mask given), the
 mask is drawn inside the forward graph, by FAIR's code run eagerly (not compiled) during the capture,
 so the host launches one graph instead of the mask's ~7 kernels, a copy and the graph. A replay
 draws what the eager call would: CUDA's generator hands a graph its current seed and offset at each
 replay and advances the offset by what the capture used, as eager calls advance it; the warm-up
-runs' draws are undone (the generator's state is restored after the capture). Off until timed on a
-GPU (``scripts/profile_step.py``'s ``+mask_in_graph``)."""
+runs' draws are undone (the generator's state is restored after the capture). On since session 32:
+in the graphed step timed in interleaved rounds on an H100 it was faster in both pairs, by a round
+median of 0.48 and 0.46 ms (30 and 36 of 40 rounds; h100_profile_ln_pdl_mask_interleaved_session32.json,
+``scripts/profile_step.py``'s ``+mask_in_graph``, which now names the default), and the GPU test of
+FAIR's masks and RNG use passed there. False: the mask drawn eagerly before the graph, as before."""
 
 compile_options: Dict[str, object] = {}
 """Inductor options of the compiled step, over ``default_options()``. Experiments

@@ -24,13 +24,15 @@ try:  # grid dependency control (programmatic dependent launch); absent from old
 except Exception:  # pragma: no cover - depends on the environment
     gdc_wait = gdc_launch_dependents = None
 
-PDL = False
+PDL = True
 """Our kernels launched with programmatic dependent launch (Hopper and later, as Inductor's own
 kernels in the graphed step): a kernel may be scheduled while the one before it finishes, and waits
-(``griddepcontrol.wait``) before it touches memory. Off: in the graphed step it did not win, on an
-H100 32.37 / 32.16 ms against 32.36 / 32.46 (session 23), on an H200 31.71 / 30.92 against 31.26 /
-30.90 (session 26, h200_profile_pdl_gelu_keep_inductor.json; ``scripts/profile_step.py``'s
-``+pdl_ours``). Its GPU equivalence test passed on that H200."""
+(``griddepcontrol.wait``) before it touches memory. On since session 32: in the graphed step timed
+in interleaved rounds on an H100 it was faster in both pairs, by a round median of 0.13 and 0.09
+ms (27 and 29 of 40 rounds; h100_profile_ln_pdl_mask_interleaved_session32.json,
+``scripts/profile_step.py``'s ``+pdl_ours``). Runs one after the other had not resolved it (H100
+session 23, H200 session 26). Its GPU equivalence test passed on an H200 (session 26) and an H100
+(session 32)."""
 
 
 def pdl(t: torch.Tensor) -> bool:

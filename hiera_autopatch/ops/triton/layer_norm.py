@@ -71,9 +71,11 @@ BEST_BY_WIDTH: Dict[int, Launch] = {
 """The widths where a launch beat ``LAUNCH`` in session 26's sweep on an H200; at 384, 512 and 768
 ``LAUNCH`` was the fastest."""
 
-LAUNCH_BY_WIDTH: Dict[int, Launch] = {}
-"""Launches for some row widths, over ``LAUNCH``; empty as shipped until ``BEST_BY_WIDTH`` is timed in
-the graphed step (``scripts/profile_step.py``'s ``+ln_by_width``)."""
+LAUNCH_BY_WIDTH: Dict[int, Launch] = dict(BEST_BY_WIDTH)
+"""Launches for some row widths, over ``LAUNCH``. ``BEST_BY_WIDTH`` since session 32: in the graphed
+step timed in interleaved rounds on an H100 it was faster in both pairs, by a round median of 0.16
+and 0.02 ms (31 and 24 of 40 rounds; h100_profile_ln_pdl_mask_interleaved_session32.json,
+``scripts/profile_step.py``'s ``+ln_by_width``)."""
 
 
 def launch_for(width: int) -> Launch:
