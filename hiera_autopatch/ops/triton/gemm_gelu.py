@@ -91,6 +91,17 @@ if HAS_TRITON:
         return b
 
     @triton.jit
+    def _tma_tile_product(a_desc, b_desc, off_m, off_n, K, B_IS_KN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # (BLOCK_M, BLOCK_N) fp32 tile of A @ B at (off_m, off_n), A and B tiles fetched by tensor
+        # descriptors (zero padding past the edges)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([off_m, k0])  # (BLOCK_M, BLOCK_K)
+            acc = tl.dot(a, _load_b_tile(b_desc, k0, off_n, B_IS_KN), acc, input_precision=DOT_PRECISION)
+        return acc
+
+    @triton.jit
     def _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, PART,
                   BACKWARD: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -158,14 +169,9 @@ if HAS_TRITON:
         # The same product with A and B tiles fetched by tensor descriptors (Hopper's TMA; zero
         # padding past the edges).
         pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            a = a_desc.load([off_m, k0])  # (BLOCK_M, BLOCK_K)
-            acc = tl.dot(a, _load_b_tile(b_desc, k0, off_n, B_IS_KN), acc, input_precision=DOT_PRECISION)
+        acc = _tma_tile_product(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K, B_IS_KN, DOT_PRECISION,
+                                BLOCK_M, BLOCK_N, BLOCK_K)
         _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, PART, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
-
 
     @triton.jit
     def _gemm_gelu_persistent_kernel(
@@ -181,16 +187,10 @@ if HAS_TRITON:
         # Warp-specialised instead (tl.range's warp_specialize, Triton 3.6), it hung on an H100
         # (benchmarks/results/failed/h100_gemm_gelu_ws_hang.json; the code is in commit e2c25c5).
         n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        k_tiles = tl.cdiv(K, BLOCK_K)
         for tile in tl.range(tl.program_id(0), n_tiles, N_PROGRAMS, flatten=True):
             pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            off_m = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for kt in range(k_tiles):
-                a = a_desc.load([off_m, kt * BLOCK_K])  # (BLOCK_M, BLOCK_K)
-                b = _load_b_tile(b_desc, kt * BLOCK_K, off_n, B_IS_KN)  # (BLOCK_K, BLOCK_N)
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            acc = _tma_tile_product(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K, B_IS_KN, DOT_PRECISION,
+                                    BLOCK_M, BLOCK_N, BLOCK_K)
             _epilogue(acc, pid_m, pid_n, M, N, BIAS, HIDDEN, OUT, ACT, PART, BACKWARD, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
