@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from hiera_autopatch.ops.triton.gemm_gelu import _tile  # (tile index) -> (row block, column block)
+# the package's GELU-epilogue GEMM pieces: tile order, one output tile's product, exact GELU
+from hiera_autopatch.ops.triton.gemm_gelu import _gelu, _tile, _tma_tile_product
 
 
 @triton.jit
@@ -33,16 +34,12 @@ def _persistent_gemm(a_desc, b_desc, c_desc, M, N, K,
                      N_PROGRAMS: tl.constexpr, WS: tl.constexpr, GELU: tl.constexpr):
     # C (M, N) = A (M, K) @ B (N, K)^T, N_PROGRAMS programs walking the tiles in GROUP_M row groups
     n_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), n_tiles, N_PROGRAMS, flatten=not WS, warp_specialize=WS):
         pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for kt in range(k_tiles):
-            a = a_desc.load([pid_m * BLOCK_M, kt * BLOCK_K])  # (BLOCK_M, BLOCK_K)
-            b = b_desc.load([pid_n * BLOCK_N, kt * BLOCK_K])  # (BLOCK_N, BLOCK_K)
-            acc = tl.dot(a, b.T, acc)
+        acc = _tma_tile_product(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K, False, "tf32",
+                                BLOCK_M, BLOCK_N, BLOCK_K)  # (BLOCK_M, BLOCK_N) fp32; b_desc holds B (N, K)
         if GELU:
-            acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+            acc = _gelu(acc)
         c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
 
 
