@@ -11,7 +11,10 @@ run the A/B and, only if it wins, apply the change and bench it:
 ``python3 scripts/ab_pairs.py $OUT/p.json --candidate graphs+ln_by_width && sed -i ... && bench``.
 For a ``profile_step.py --interleave`` run each pair also compares the two modes' steps round by
 round (``candidate_faster`` of ``rounds``, ``median_diff_ms``), and a pair is won when that median
-difference is below zero: the two medians alone would keep the drift the rounds cancel.
+difference is below zero: the two medians alone would keep the drift the rounds cancel. The output
+also holds ``aa_pairs`` (the base's repeats against each other, the run's own noise) and
+``clear_of_aa_spread``: whether every pair's gain exceeds the widest of them (null when the run was
+not interleaved). The exit status still says only whether every pair was won.
 """
 
 from __future__ import annotations
@@ -51,6 +54,31 @@ def by_round(modes: dict, base: str, candidate: str) -> dict:
             "median_diff_ms": statistics.median(diffs)}
 
 
+def repeat_pairs(modes: dict, base: str) -> list:
+    """A/A pairs of an interleaved run: each two repeats of ``base`` (``graphs`` and ``graphs#2``,
+    ...) compared round by round as ``by_round`` does, ``other`` minus ``base``. The same step timed
+    twice in one run: how far apart two modes land with nothing changed."""
+    names = [name for name in modes if name.partition("#")[0] == base and modes[name].get("round_ms")]
+    found = []
+    for i, first in enumerate(names):
+        for other in names[i + 1:]:
+            rounds = by_round(modes, first, other)
+            if rounds:
+                found.append({"base": first, "other": other, "rounds": rounds["rounds"],
+                              "other_faster": rounds["candidate_faster"],
+                              "median_diff_ms": rounds["median_diff_ms"]})
+    return found
+
+
+def clear_of_noise(found: list, same: list):
+    """Each pair's round-median gain larger than the widest A/A difference of the same run; None
+    without round-by-round pairs to judge by."""
+    if not same or not found or any("median_diff_ms" not in pair for pair in found):
+        return None
+    spread = max(abs(pair["median_diff_ms"]) for pair in same)
+    return all(-pair["median_diff_ms"] > spread for pair in found)
+
+
 def lost(pair: dict) -> bool:
     """The candidate did not win this pair: by its steps' median difference round by round where
     the run was interleaved (drift cancels), else by the two modes' medians."""
@@ -86,8 +114,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     found = pairs(modes, args.base, args.candidate)
+    same = repeat_pairs(modes, args.base)
     result = {"base": args.base, "candidate": args.candidate, "pairs": found,
-              "verdict": verdict(found, args.min_pairs)}
+              "verdict": verdict(found, args.min_pairs), "aa_pairs": same,
+              "clear_of_aa_spread": clear_of_noise(found, same)}
     print(json.dumps(result, indent=1))
     return 0 if result["verdict"] == "wins every pair" else 1
 

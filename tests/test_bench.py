@@ -529,6 +529,28 @@ def test_ab_pairs_compares_an_interleaved_runs_steps_round_by_round():
     assert ab_pairs.by_round({"graphs": {"ms_per_step": {"median": 1.0}}}, "graphs", "graphs+x") == {}
 
 
+def test_ab_pairs_reports_the_runs_own_noise_from_the_bases_repeats():
+    """aa_pairs: each two repeats of the base compared round by round; clear_of_aa_spread: every
+    pair's gain beats the widest of those differences (None without round-by-round data)."""
+    ab_pairs = _load_script("ab_pairs")
+    timed = lambda rounds: {"ms_per_step": {"median": sorted(rounds)[len(rounds) // 2]}, "round_ms": rounds}
+    modes = {"graphs": timed([30.0, 30.0, 30.0]), "graphs+x": timed([29.7, 29.8, 29.7]),
+             "graphs#2": timed([30.1, 30.1, 30.2]), "graphs+x#2": timed([29.8, 29.8, 30.0]),
+             "graphs#3": timed([29.9, 30.0, 30.0])}
+    same = ab_pairs.repeat_pairs(modes, "graphs")
+    assert [(p["base"], p["other"]) for p in same] == [("graphs", "graphs#2"), ("graphs", "graphs#3"),
+                                                      ("graphs#2", "graphs#3")]
+    assert abs(same[0]["median_diff_ms"] - 0.1) < 1e-9 and same[0]["other_faster"] == 0
+    assert abs(same[2]["median_diff_ms"] - (-0.2)) < 1e-9  # the widest A/A difference: 0.2 ms
+    found = ab_pairs.pairs(modes, "graphs", "graphs+x")  # gains 0.3 and 0.3 ms
+    assert ab_pairs.clear_of_noise(found, same) is True
+    found[1]["median_diff_ms"] = -0.05  # a win, but inside the run's A/A spread
+    assert ab_pairs.clear_of_noise(found, same) is False
+    assert ab_pairs.clear_of_noise(found, []) is None
+    plain = {"graphs": {"ms_per_step": {"median": 30.0}}, "graphs#2": {"ms_per_step": {"median": 30.1}}}
+    assert ab_pairs.repeat_pairs(plain, "graphs") == []
+
+
 def test_profile_step_counts_matmul_flops_from_profiler_shapes():
     profile_step = _load_script("profile_step")
     assert profile_step.matmul_flops("aten::mm", [[128, 96], [96, 384]]) == 2 * 128 * 96 * 384
