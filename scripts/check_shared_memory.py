@@ -75,8 +75,8 @@ def compile_sm90(kernel, dtype: str, constexprs: dict, num_warps: int, num_stage
 
 def check(wa, name: str, nw: int, T: int, H: int, D: int, S: int, dtype: str, config=None,
           registers: bool = False) -> dict:
-    """Shared bytes of the forward, the dk/dv backward and (keys over several blocks) the dq kernel,
-    at the launchers' config (``config``: keys that override it, as the launchers' argument);
+    """Shared bytes of the forward, the dk/dv backward, (keys over several blocks) the dq kernel and
+    (``KEY_TILES_BWD``) the key-tiles backward, at the launchers' config (``config``: keys that override it, as the launchers' argument);
     ``registers``: also each kernel's registers and spill bytes (``ptxas_usage``)."""
     cfg = wa.full_config(config, T, S, D, nw, DTYPES[dtype])
     common = dict(H=H, D=D, T=T, S=S, G=cfg["G"], BLOCK_D=max(16, wa._next_pow2(D)),
@@ -93,6 +93,12 @@ def check(wa, name: str, nw: int, T: int, H: int, D: int, S: int, dtype: str, co
         if not single_kv:
             kernels["bwd_dq" + suffix] = (wa._window_attention_bwd_dq_kernel, variant,
                                           cfg["num_warps_bwd"], cfg["num_stages_bwd"])
+    if wa.uses_key_tiles(cfg, T):
+        n0, n1, n2 = wa.key_tiles(T)
+        tiles = dict(common, BLOCK_M=cfg["BLOCK_M_BWD"], N0=n0, N1=n1, N2=n2, POOL_AMAX=False)
+        del tiles["G"]
+        kernels["bwd_key_tiles"] = (wa._window_attention_bwd_key_tiles_kernel, tiles,
+                                    cfg["num_warps_bwd"], cfg["num_stages_bwd"])
     shared, usage = {}, {}
     for kernel_name, (kernel, constexprs, num_warps, num_stages) in kernels.items():
         compiled = compile_sm90(kernel, dtype, constexprs, num_warps, num_stages)

@@ -184,7 +184,7 @@ def tuned_blocks(path: str) -> dict:
     (the keys each trial set; the rest keep the shipped values)."""
     from hiera_autopatch.ops.triton.window_attention import BWD_KEYS
 
-    bwd_keys = set(BWD_KEYS) | {"num_warps_bwd"}
+    bwd_keys = set(BWD_KEYS) | {"num_warps_bwd", "KEY_TILES_BWD"}
     with open(path) as fh:
         shapes = json.load(fh)["shapes"]
     tuned = {}

@@ -551,6 +551,23 @@ def test_ab_pairs_reports_the_runs_own_noise_from_the_bases_repeats():
     assert ab_pairs.repeat_pairs(plain, "graphs") == []
 
 
+def test_profile_step_takes_each_pass_blocks_from_a_tuning_file(tmp_path):
+    """``+tuned_attention``: the fastest forward's forward keys and the fastest backward's backward
+    keys, the key-tiles switch included, per (T, S, D)."""
+    profile_step = _load_script("profile_step")
+    path = tmp_path / "tune.json"
+    path.write_text(json.dumps({"shapes": {
+        "decoder": {"T": 196, "S": 1, "D": 32,
+                    "fwd_best": {"config": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}},
+                    "bwd_best": {"config": {"KEY_TILES_BWD": 1, "BLOCK_M_BWD": 32, "num_warps_bwd": 8}}},
+        "stage3-global-mae": {"T": 76, "S": 1, "D": 96,
+                              "bwd_best": {"config": {"BLOCK_M_BWD": 64, "BLOCK_N_BWD": 128}}}}}))
+    assert profile_step.tuned_blocks(str(path)) == {
+        (196, 1, 32): {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4,
+                       "KEY_TILES_BWD": 1, "BLOCK_M_BWD": 32, "num_warps_bwd": 8},
+        (76, 1, 96): {"BLOCK_M_BWD": 64, "BLOCK_N_BWD": 128}}
+
+
 def test_profile_step_counts_matmul_flops_from_profiler_shapes():
     profile_step = _load_script("profile_step")
     assert profile_step.matmul_flops("aten::mm", [[128, 96], [96, 384]]) == 2 * 128 * 96 * 384

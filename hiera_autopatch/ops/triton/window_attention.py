@@ -24,6 +24,12 @@ Design, for Hiera's short windows (T = 16..196 keys, head_dim 32..128):
   fit one block, one kernel computes dk, dv and dq (delta = rowsum(P * dP), no read of ``out``);
   otherwise a small kernel computes delta = rowsum(dout * out), then a dk/dv kernel and a dq kernel
   run.
+- ``KEY_TILES_BWD`` (a config key, off unless ``TUNED`` sets it for a shape): with one window a
+  program, the one-pass backward holds the window's keys in up to three power-of-two tiles
+  (``key_tiles``: the decoder's 196 keys as 128+64+16 rows) instead of one tile padded to 256, so
+  a fifth of its multiplies and accumulator rows are not spent on padding. Built in session 33,
+  compiled for sm_90 (fewer spill bytes than the one-tile kernel at the decoder and stage-3 shapes);
+  not yet timed on a GPU.
 - dq goes back through the pool: for "max" to the first maximal of the S values (what torch's
   ``max(dim).values`` backward does), for "amax" split evenly among the tied maxima.
 
@@ -224,6 +230,16 @@ if HAS_TRITON:
         tl.store(LSE + lse_off, m_i + tl.log2(l_i), mask=q_ok)
 
     @triton.jit
+    def _backward_pointers(QKV, DQKV, DOUT, b64, h, NW, T: tl.constexpr, Tq: tl.constexpr,
+                           H: tl.constexpr, D: tl.constexpr):
+        # head h of batch element b: q, k, v in qkv, dq in dqkv (dk, dv follow at +H*D, +2*H*D),
+        # dout; each at its first row, channel h*D
+        qkv_off = b64 * (NW * T * 3 * H * D) + h * D
+        q_ptr = QKV + qkv_off
+        do_ptr = DOUT + b64 * (NW * Tq * H * D) + h * D
+        return q_ptr, q_ptr + H * D, q_ptr + 2 * H * D, DQKV + qkv_off, do_ptr
+
+    @triton.jit
     def _window_attention_bwd_dkdv_kernel(
         QKV, DOUT, LSE, DELTA, DQKV, DBIAS,
         NW, n_groups, n_k_blocks, part_blocks, qk_scale, sm_scale,
@@ -243,14 +259,9 @@ if HAS_TRITON:
         b, grp, h, nb = _program_coords(tl.program_id(0), H, n_groups, n_k_blocks)
         w0 = grp * G
         b64 = b.to(tl.int64)
-        qkv_off = b64 * (NW * T * ROW) + h * D
-        q_ptr = QKV + qkv_off
-        k_ptr = q_ptr + H * D
-        v_ptr = q_ptr + 2 * H * D
-        dq_ptr = DQKV + qkv_off
+        q_ptr, k_ptr, v_ptr, dq_ptr, do_ptr = _backward_pointers(QKV, DQKV, DOUT, b64, h, NW, T, Tq, H, D)
         dk_ptr = dq_ptr + H * D
         dv_ptr = dq_ptr + 2 * H * D
-        do_ptr = DOUT + b64 * (NW * Tq * OUT_ROW) + h * D
         lse_ptr = LSE + (b64 * H + h) * NW * Tq  # (nw, Tq) of this (b, h)
         delta_ptr = DELTA + (b64 * H + h) * NW * Tq
 
@@ -348,12 +359,7 @@ if HAS_TRITON:
         b, grp, h, mb = _program_coords(tl.program_id(0), H, n_groups, n_q_blocks)
         w0 = grp * G
         b64 = b.to(tl.int64)
-        qkv_off = b64 * (NW * T * ROW) + h * D
-        q_ptr = QKV + qkv_off
-        k_ptr = q_ptr + H * D
-        v_ptr = q_ptr + 2 * H * D
-        dq_ptr = DQKV + qkv_off
-        do_ptr = DOUT + b64 * (NW * Tq * OUT_ROW) + h * D
+        q_ptr, k_ptr, v_ptr, dq_ptr, do_ptr = _backward_pointers(QKV, DQKV, DOUT, b64, h, NW, T, Tq, H, D)
         lse_ptr = LSE + (b64 * H + h) * NW * Tq
         delta_ptr = DELTA + (b64 * H + h) * NW * Tq
 
@@ -390,6 +396,110 @@ if HAS_TRITON:
         if BIAS_GRAD:
             part = DBIAS + ((b64 * n_groups + grp) * part_blocks + mb) * ROW + h * D + offs_d
             tl.store(part, dq_sums, mask=d_ok)
+
+
+    @triton.jit
+    def _key_tile(k_ptr, v_ptr, w, NW, FIRST: tl.constexpr, N: tl.constexpr, T: tl.constexpr,
+                  offs_d, d_ok, ROW: tl.constexpr):
+        # keys FIRST .. FIRST+N-1 of window w -> their qkv rows (N,), mask (N, BLOCK_D), k, v
+        t = FIRST + tl.arange(0, N)
+        rows = t * NW + w
+        mask = (t < T)[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + rows[:, None] * ROW + offs_d[None, :], mask=mask, other=0.0)
+        v = tl.load(v_ptr + rows[:, None] * ROW + offs_d[None, :], mask=mask, other=0.0)
+        return rows, mask, k, v
+
+    @triton.jit
+    def _tile_probs(q, do, lse, q_ok, k, FIRST: tl.constexpr, N: tl.constexpr, T: tl.constexpr, v,
+                    qk_scale, DOT_PRECISION: tl.constexpr):
+        # P and dP of one query block against one key tile, each (BLOCK_M, N) fp32
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        k_ok = FIRST + tl.arange(0, N) < T
+        p = tl.where(q_ok[:, None] & k_ok[None, :], tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        return p, dp
+
+    @triton.jit
+    def _tile_grads(p, dp, delta, q, do, k, dk, dv, DOT_PRECISION: tl.constexpr):
+        # one key tile's share: dk, dv accumulated (N, BLOCK_D) fp32; its part of dq (BLOCK_M, BLOCK_D)
+        ds = p * (dp - delta[:, None])  # d(loss)/d(q.k), without the scale
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+        return dk, dv, tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+
+    @triton.jit
+    def _window_attention_bwd_key_tiles_kernel(
+        QKV, DOUT, LSE, DQKV, NW, qk_scale, sm_scale,
+        H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, S: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+        N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
+        POOL_AMAX: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    ):
+        pdl_start(PDL)
+        # One (batch, window, head) whole, as the one-pass dk/dv kernel does with G=1, but its T keys
+        # held in up to three power-of-two tiles (N0 >= N1 >= N2, 0 = no tile) instead of one padded
+        # tile: the decoder's 196 keys as 128+64+16 rows, not 256. Each query block's P and dP are
+        # taken per tile; delta (= rowsum(P * dP)) adds the tiles' row sums; dq adds their dS K.
+        Tq: tl.constexpr = T // S
+        ROW: tl.constexpr = 3 * H * D
+        OUT_ROW: tl.constexpr = H * D
+        b, w, h, _ = _program_coords(tl.program_id(0), H, NW, 1)
+        b64 = b.to(tl.int64)
+        q_ptr, k_ptr, v_ptr, dq_ptr, do_ptr = _backward_pointers(QKV, DQKV, DOUT, b64, h, NW, T, Tq, H, D)
+        lse_ptr = LSE + ((b64 * H + h) * NW + w) * Tq  # (Tq,) of this (b, h, w)
+
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        rows0, mask0, k0, v0 = _key_tile(k_ptr, v_ptr, w, NW, 0, N0, T, offs_d, d_ok, ROW)
+        dk0 = tl.zeros([N0, BLOCK_D], tl.float32)
+        dv0 = tl.zeros([N0, BLOCK_D], tl.float32)
+        if N1 > 0:
+            rows1, mask1, k1, v1 = _key_tile(k_ptr, v_ptr, w, NW, N0, N1, T, offs_d, d_ok, ROW)
+            dk1 = tl.zeros([N1, BLOCK_D], tl.float32)
+            dv1 = tl.zeros([N1, BLOCK_D], tl.float32)
+        if N2 > 0:
+            rows2, mask2, k2, v2 = _key_tile(k_ptr, v_ptr, w, NW, N0 + N1, N2, T, offs_d, d_ok, ROW)
+            dk2 = tl.zeros([N2, BLOCK_D], tl.float32)
+            dv2 = tl.zeros([N2, BLOCK_D], tl.float32)
+
+        for mb in range(0, (Tq + BLOCK_M - 1) // BLOCK_M):
+            tq = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+            q_ok = tq < Tq
+            w_q = tq * 0 + w
+            q_mask = q_ok[:, None] & d_ok[None, :]  # (BLOCK_M, BLOCK_D)
+            q = _load_pooled_q(q_ptr, tq, w_q, q_mask, offs_d, NW, ROW, Tq, S)
+            do = tl.load(do_ptr + (tq * NW + w)[:, None] * OUT_ROW + offs_d[None, :], mask=q_mask,
+                         other=0.0)  # (BLOCK_M, BLOCK_D)
+            lse = tl.load(lse_ptr + tq, mask=q_ok, other=0.0)  # (BLOCK_M,)
+
+            p0, dp0 = _tile_probs(q, do, lse, q_ok, k0, 0, N0, T, v0, qk_scale, DOT_PRECISION)
+            delta = tl.sum(p0 * dp0, 1)  # (BLOCK_M,), the tiles' shares of rowsum(P * dP)
+            if N1 > 0:
+                p1, dp1 = _tile_probs(q, do, lse, q_ok, k1, N0, N1, T, v1, qk_scale, DOT_PRECISION)
+                delta += tl.sum(p1 * dp1, 1)
+            if N2 > 0:
+                p2, dp2 = _tile_probs(q, do, lse, q_ok, k2, N0 + N1, N2, T, v2, qk_scale, DOT_PRECISION)
+                delta += tl.sum(p2 * dp2, 1)
+            dk0, dv0, dq = _tile_grads(p0, dp0, delta, q, do, k0, dk0, dv0, DOT_PRECISION)
+            if N1 > 0:
+                dk1, dv1, dq1 = _tile_grads(p1, dp1, delta, q, do, k1, dk1, dv1, DOT_PRECISION)
+                dq += dq1
+            if N2 > 0:
+                dk2, dv2, dq2 = _tile_grads(p2, dp2, delta, q, do, k2, dk2, dv2, DOT_PRECISION)
+                dq += dq2
+            _store_dq_through_pool(dq_ptr, q_ptr, dq * sm_scale, q, tq, w_q, q_mask, offs_d, NW,
+                                   ROW, Tq, S, POOL_AMAX)
+
+        dk_ptr = dq_ptr + H * D
+        dv_ptr = dq_ptr + 2 * H * D
+        tl.store(dk_ptr + rows0[:, None] * ROW + offs_d[None, :], (dk0 * sm_scale).to(DQKV.dtype.element_ty), mask=mask0)
+        tl.store(dv_ptr + rows0[:, None] * ROW + offs_d[None, :], dv0.to(DQKV.dtype.element_ty), mask=mask0)
+        if N1 > 0:
+            tl.store(dk_ptr + rows1[:, None] * ROW + offs_d[None, :], (dk1 * sm_scale).to(DQKV.dtype.element_ty), mask=mask1)
+            tl.store(dv_ptr + rows1[:, None] * ROW + offs_d[None, :], dv1.to(DQKV.dtype.element_ty), mask=mask1)
+        if N2 > 0:
+            tl.store(dk_ptr + rows2[:, None] * ROW + offs_d[None, :], (dk2 * sm_scale).to(DQKV.dtype.element_ty), mask=mask2)
+            tl.store(dv_ptr + rows2[:, None] * ROW + offs_d[None, :], dv2.to(DQKV.dtype.element_ty), mask=mask2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -488,6 +598,7 @@ def default_config(T: int, q_stride: int, D: int, num_windows: int = 1 << 30, it
               "BLOCK_M": max(16, min(64, _next_pow2(G * Tq))),
               "BLOCK_N": max(16, min(128, _next_pow2(G * T), 32768 // (block_d * itemsize))),
               "num_warps": 4, "num_stages": 2}
+    config["KEY_TILES_BWD"] = 0
     if itemsize == 2:
         config.update(TUNED.get((T, q_stride, D), {}))
     # backward holds k, v, dk, dv (BLOCK_N x BLOCK_D) and P, dP, dS (BLOCK_M x BLOCK_N) at once
@@ -508,7 +619,7 @@ BWD_KEYS = {"BLOCK_M_BWD": "BLOCK_M", "BLOCK_N_BWD": "BLOCK_N", "num_stages_bwd"
 depend on blocks, so the two passes can tile differently)."""
 
 _CONFIG_KEYS = ("G", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
-                "BLOCK_M_BWD", "BLOCK_N_BWD", "num_warps_bwd", "num_stages_bwd")
+                "BLOCK_M_BWD", "BLOCK_N_BWD", "num_warps_bwd", "num_stages_bwd", "KEY_TILES_BWD")
 
 
 def full_config(config: Optional[Dict[str, int]], T: int, q_stride: int, D: int,
@@ -565,6 +676,32 @@ def window_attention_forward(
     return out, lse
 
 
+MAX_KEY_TILE_ROWS = 256
+"""The key-tiles backward holds a window's keys, rounded up to 16, in at most this many rows."""
+
+
+def key_tiles(T: int) -> Tuple[int, int, int]:
+    """T keys in three power-of-two tiles (N0 >= N1 >= N2, 0: no tile), at least 16 rows each
+    (tl.dot's minimum), summing to T rounded up to 16 where three tiles can: 196 -> (128, 64, 16),
+    76 -> (64, 16, 0); past three, the last tile takes the rest rounded up to a power of two."""
+    left = -(-T // 16) * 16
+    tiles = []
+    while left > 0 and len(tiles) < 2:
+        tile = 1 << (left.bit_length() - 1)  # largest power of two <= left
+        tiles.append(tile)
+        left -= tile
+    if left > 0:
+        tiles.append(max(16, _next_pow2(left)))
+    return tuple(tiles + [0] * (3 - len(tiles)))
+
+
+def uses_key_tiles(cfg: Dict[str, int], T: int, bias_grad: bool = False) -> bool:
+    """The backward runs ``_window_attention_bwd_key_tiles_kernel``: asked for (``KEY_TILES_BWD``),
+    one window a program, the window's keys in at most ``MAX_KEY_TILE_ROWS`` rows, and no bias sums
+    wanted (that kernel does not take them; the one-tile kernel does)."""
+    return bool(cfg["KEY_TILES_BWD"]) and cfg["G"] == 1 and sum(key_tiles(T)) <= MAX_KEY_TILE_ROWS and not bias_grad
+
+
 def backward_is_single_pass(cfg: Dict[str, int], T: int) -> bool:
     """A group's keys fit one backward key block: one kernel, delta and dq taken from full rows of P."""
     return cfg["G"] * T <= cfg["BLOCK_N_BWD"]
@@ -619,6 +756,16 @@ def window_attention_backward(
     single_kv = backward_is_single_pass(cfg, T)
     sm_scale = D ** -0.5
     pdl = _pdl(qkv)
+    if uses_key_tiles(cfg, T, bias_part is not None):
+        n0, n1, n2 = key_tiles(T)
+        with _on_device(qkv):
+            _window_attention_bwd_key_tiles_kernel[(B * num_windows * heads,)](
+                qkv, dout, lse, dqkv, num_windows, sm_scale * _LOG2E, sm_scale,
+                H=heads, D=D, T=T, S=q_stride, BLOCK_M=BM, BLOCK_D=BD, N0=n0, N1=n1, N2=n2,
+                POOL_AMAX=pool == "amax", DOT_PRECISION=_dot_precision(qkv.dtype), PDL=pdl,
+                num_warps=cfg["num_warps_bwd"], num_stages=cfg["num_stages_bwd"], launch_pdl=pdl,
+            )
+        return dqkv
     common = dict(H=heads, D=D, T=T, S=q_stride, G=G, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
                   POOL_AMAX=pool == "amax", BIAS_GRAD=bias_part is not None,
                   DOT_PRECISION=_dot_precision(qkv.dtype), PDL=pdl,
