@@ -76,7 +76,7 @@ def compile_sm90(kernel, dtype: str, constexprs: dict, num_warps: int, num_stage
 def check(wa, name: str, nw: int, T: int, H: int, D: int, S: int, dtype: str, config=None,
           registers: bool = False) -> dict:
     """Shared bytes of the forward, the dk/dv backward, (keys over several blocks) the dq kernel and
-    (``KEY_TILES_BWD``) the key-tiles backward, at the launchers' config (``config``: keys that override it, as the launchers' argument);
+    (``KEY_TILES``, ``KEY_TILES_BWD``) the tiles forward and backward, at the launchers' config (``config``: keys that override it, as the launchers' argument);
     ``registers``: also each kernel's registers and spill bytes (``ptxas_usage``)."""
     cfg = wa.full_config(config, T, S, D, nw, DTYPES[dtype])
     common = dict(H=H, D=D, T=T, S=S, G=cfg["G"], BLOCK_D=max(16, wa._next_pow2(D)),
@@ -93,7 +93,13 @@ def check(wa, name: str, nw: int, T: int, H: int, D: int, S: int, dtype: str, co
         if not single_kv:
             kernels["bwd_dq" + suffix] = (wa._window_attention_bwd_dq_kernel, variant,
                                           cfg["num_warps_bwd"], cfg["num_stages_bwd"])
-    if wa.uses_key_tiles(cfg, T):
+    if wa.uses_key_tiles(cfg, T, D, DTYPES[dtype], forward=True):
+        tail = wa.query_tiles(T // S, cfg["BLOCK_M"])[1]
+        fwd_tiles = dict(common, BLOCK_M=cfg["BLOCK_M"], TAIL_M=tail, N0=0, N1=0, N2=0)
+        fwd_tiles.update(zip(("N0", "N1", "N2"), wa.key_tiles(T)))
+        del fwd_tiles["G"]
+        kernels["fwd_tiles"] = (wa._window_attention_fwd_tiles_kernel, fwd_tiles, cfg["num_warps"], cfg["num_stages"])
+    if wa.uses_key_tiles(cfg, T, D, DTYPES[dtype]):
         n0, n1, n2 = wa.key_tiles(T)
         tiles = dict(common, BLOCK_M=cfg["BLOCK_M_BWD"], N0=n0, N1=n1, N2=n2, POOL_AMAX=False)
         del tiles["G"]

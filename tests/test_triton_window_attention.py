@@ -257,19 +257,20 @@ def test_launch_configs_fit_hopper_shared_memory(tmp_path):
         assert {"bwd_dkdv", "bwd_dkdv+bias"} <= set(entry["ptxas"]) == set(entry["shared_bytes"]), entry
         assert all(0 < use["registers"] <= 255 and use["spill_store_bytes"] >= 0
                    for use in entry["ptxas"].values()), entry
-    # the key-tiles backward (off as shipped, tuned per shape) at the two shapes it was built for
+    # the tiles kernels (off as shipped, tuned per shape) at the two shapes they were built for
     tiles_out = tmp_path / "smem_key_tiles.json"
     tiles = run_python([script, "--shapes", "stage3-global-mae,decoder", "--dtypes", "bf16", "--registers",
-                        "--config", '{"KEY_TILES_BWD": 1}', "--json", str(tiles_out)], env=env, timeout=600)
+                        "--config", '{"KEY_TILES": 1, "KEY_TILES_BWD": 1, "BLOCK_M": 64}', "--json", str(tiles_out)],
+                       env=env, timeout=600)
     assert tiles.returncode == 0, tiles.stdout + tiles.stderr
     for entry in json.loads(tiles_out.read_text())["results"]:
-        assert entry["fits"] and "bwd_key_tiles" in entry["ptxas"], entry
+        assert entry["fits"] and {"fwd_tiles", "bwd_key_tiles"} <= set(entry["ptxas"]), entry
     too_big = run_python([script, "--shapes", "stage3-global-mae", "--dtypes", "bf16",
                           "--config", '{"BLOCK_M": 128, "BLOCK_N": 256, "num_stages": 3}'], env=env, timeout=600)
     assert too_big.returncode == 1 and "does not fit" in too_big.stdout, too_big.stdout + too_big.stderr
 
 
-def test_key_tiles_split_a_window_into_at_most_three_power_of_two_tiles():
+def test_tiles_split_a_window_into_power_of_two_tiles():
     assert wa.key_tiles(196) == (128, 64, 16)  # the MAE decoder: 208 rows held, not 256
     assert wa.key_tiles(76) == (64, 16, 0)  # stages 3 and 4, global: 80, not 128
     assert wa.key_tiles(19) == (32, 0, 0) and wa.key_tiles(64) == (64, 0, 0)
@@ -279,47 +280,65 @@ def test_key_tiles_split_a_window_into_at_most_three_power_of_two_tiles():
         assert sum(tiles) >= T and all(t == 0 or (t >= 16 and t & (t - 1) == 0) for t in tiles), (T, tiles)
         assert list(tiles) == sorted(tiles, reverse=True), (T, tiles)
     cfg = wa.full_config({"KEY_TILES_BWD": 1}, 196, 1, 32, 1)
-    assert wa.uses_key_tiles(cfg, 196)
-    assert not wa.uses_key_tiles(cfg, 196, bias_grad=True)  # the bias sums stay with the one-tile kernel
-    assert not wa.uses_key_tiles(wa.full_config(None, 196, 1, 32, 1), 196)  # off unless asked for
-    assert not wa.uses_key_tiles(wa.full_config({"KEY_TILES_BWD": 1}, 16, 4, 96, 19), 16)  # 4 windows a program
-    assert not wa.uses_key_tiles(wa.full_config({"KEY_TILES_BWD": 1}, 392, 1, 32, 1), 392)  # past 256 rows
+    assert wa.uses_key_tiles(cfg, 196, 32, 2)
+    assert not wa.uses_key_tiles(cfg, 196, 32, 2, bias_grad=True)  # the bias sums stay with the one-tile kernel
+    assert not wa.uses_key_tiles(wa.full_config(None, 196, 1, 32, 1), 196, 32, 2)  # off unless asked for
+    assert not wa.uses_key_tiles(wa.full_config({"KEY_TILES_BWD": 1}, 16, 4, 96, 19), 16, 96, 2)  # 4 windows a program
+    assert not wa.uses_key_tiles(wa.full_config({"KEY_TILES_BWD": 1}, 392, 1, 32, 1), 392, 32, 2)  # past 256 rows
+    assert not wa.uses_key_tiles(cfg, 196, 32, 2, forward=True)  # each pass asked for apart
+    assert wa.uses_key_tiles(wa.full_config({"KEY_TILES": 1}, 196, 1, 32, 1), 196, 32, 2, forward=True)
+    both = wa.full_config({"KEY_TILES": 1, "KEY_TILES_BWD": 1}, 196, 1, 96, 1)
+    assert wa.uses_key_tiles(both, 196, 96, 2)  # 208 x 128 bf16 k: 52 KB
+    assert not wa.uses_key_tiles(both, 196, 96, 4) and not wa.uses_key_tiles(both, 196, 96, 4, forward=True)  # fp32: 104 KB
+    assert wa.query_tiles(196, 64) == (4, 16) and wa.query_tiles(76, 64) == (2, 16)  # 208 and 80 rows
+    assert wa.query_tiles(64, 64) == (1, 0) and wa.query_tiles(100, 64) == (2, 0)  # rest 36 needs 64 rows
+    assert wa.query_tiles(196, 16) == (13, 0)
 
 
-# windows whose keys the key-tiles backward holds in two or three tiles: the decoder's 196 keys
-# (three), stage 3's global 76 (two), a pooled global window and pooled windows over several windows
+# windows whose keys the tiles kernels hold in two or three tiles: the decoder's 196 keys (three),
+# stage 3's global 76 (two), a pooled global window and windows over several programs; the forward's
+# queries in full tiles and a smaller last one (196 at 64 -> 3 x 64 + 16)
 KEY_TILE_CASES = [
-    pytest.param(1, 1, 196, 2, 32, 1, dict(wa.TUNED[(196, 1, 32)], KEY_TILES_BWD=1), id="decoder-T196-D32"),
-    pytest.param(1, 1, 76, 1, 96, 1, {"KEY_TILES_BWD": 1}, id="global-T76-D96"),
-    pytest.param(1, 1, 76, 2, 40, 4, {"KEY_TILES_BWD": 1, "BLOCK_M_BWD": 16}, id="global-T76-S4-D40"),
-    pytest.param(2, 3, 40, 1, 24, 1, {"KEY_TILES_BWD": 1, "BLOCK_M_BWD": 16}, id="nw3-T40-D24"),
-    pytest.param(1, 2, 48, 1, 24, 2, {"KEY_TILES_BWD": 1}, id="nw2-T48-S2-D24"),
+    pytest.param(1, 1, 196, 2, 32, 1, dict(wa.TUNED[(196, 1, 32)], BLOCK_M=64), id="decoder-T196-D32"),
+    pytest.param(1, 1, 76, 1, 96, 1, {"BLOCK_M": 64}, id="global-T76-D96"),
+    pytest.param(1, 1, 76, 2, 40, 4, {"BLOCK_M": 16, "BLOCK_M_BWD": 16}, id="global-T76-S4-D40"),
+    pytest.param(2, 3, 40, 1, 24, 1, {"BLOCK_M": 32, "BLOCK_M_BWD": 16}, id="nw3-T40-D24"),
+    pytest.param(1, 2, 48, 1, 24, 2, {"BLOCK_M": 16}, id="nw2-T48-S2-D24"),
 ]
+TILES = {"KEY_TILES": 1, "KEY_TILES_BWD": 1}
 
 
 @cpu_only
 @pytest.mark.parametrize("B,nw,T,H,D,S,config", KEY_TILE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_cpu_key_tiles_backward_matches_reference_and_the_one_tile_kernel(B, nw, T, H, D, S, config, dtype):
-    """``KEY_TILES_BWD``: dqkv against FAIR's math in float64 at the dtype's tolerance, and against
-    the one-tile kernel (the same products, delta's row sum split over tiles): within fp32 rounding."""
+def test_cpu_tiles_kernels_match_reference_and_the_one_tile_kernels(B, nw, T, H, D, S, config, dtype):
+    """``KEY_TILES`` / ``KEY_TILES_BWD``: out and dqkv against FAIR's math in float64 at the dtype's
+    tolerance, and against the one-tile kernels (the same products; softmax and delta's row sums
+    split over tiles) within fp32 rounding, each tiles kernel alone and both together."""
     qkv = make_qkv(B, nw, T, H, D, dtype, "cpu", ties=S > 1)
-    assert wa.uses_key_tiles(wa.full_config(config, T, S, D, nw, qkv.dtype.itemsize), T)
-    out, dqkv, ref, dref = run_both(qkv, nw, H, S, "max", config)
+    tight = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=1e-3)
+    cfg = wa.full_config(dict(config, **TILES), T, S, D, nw, qkv.dtype.itemsize)
+    assert wa.uses_key_tiles(cfg, T, D, qkv.dtype.itemsize)
+    assert wa.uses_key_tiles(cfg, T, D, qkv.dtype.itemsize, forward=True)
+    out, dqkv, ref, dref = run_both(qkv, nw, H, S, "max", dict(config, **TILES))
     assert_close_verbose("out", out, ref, dtype)
     assert_close_verbose("dqkv", dqkv, dref, dtype)
-    one_tile = {k: v for k, v in config.items() if k != "KEY_TILES_BWD"}
-    _, dqkv_one_tile, _, _ = run_both(qkv, nw, H, S, "max", one_tile)
-    torch.testing.assert_close(dqkv, dqkv_one_tile, rtol=1e-5 if dtype == torch.float32 else 2e-3,
-                               atol=1e-6 if dtype == torch.float32 else 1e-3)
+    out_one, dqkv_one, _, _ = run_both(qkv, nw, H, S, "max", config)
+    torch.testing.assert_close(out, out_one, **tight)
+    torch.testing.assert_close(dqkv, dqkv_one, **tight)
+    for only in ({"KEY_TILES": 1}, {"KEY_TILES_BWD": 1}):  # each with the other pass's one-tile kernel
+        out_mixed, dqkv_mixed, _, _ = run_both(qkv, nw, H, S, "max", dict(config, **only))
+        torch.testing.assert_close(out_mixed, out_one, **tight)
+        torch.testing.assert_close(dqkv_mixed, dqkv_one, **tight)
 
 
 @cpu_only
 @pytest.mark.parametrize("pool", ["max", "amax"])
-def test_cpu_key_tiles_backward_pool_ties(pool):
-    """Pooled q with ties through the key-tiles backward: each pool mode's own gradient."""
+def test_cpu_tiles_kernels_pool_ties(pool):
+    """Pooled q with ties through the tiles kernels: each pool mode's own gradient."""
     qkv = make_qkv(1, 1, 76, 2, 24, torch.float32, "cpu", ties=True)
-    out, dqkv, ref, dref = run_both(qkv, 1, 2, 4, pool, {"KEY_TILES_BWD": 1, "BLOCK_M_BWD": 16})
+    out, dqkv, ref, dref = run_both(qkv, 1, 2, 4, pool, dict(TILES, BLOCK_M=16, BLOCK_M_BWD=16))
+    assert_close_verbose("out", out, ref, torch.float32)
     assert_close_verbose("dqkv", dqkv, dref, torch.float32)
 
 
@@ -392,11 +411,16 @@ KEY_TILE_SHAPES = [s for s in GPU_SHAPES if s[0] in ("decoder", "stage3-global-m
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("name,nw,T,H,D,S", KEY_TILE_SHAPES, ids=[s[0] for s in KEY_TILE_SHAPES])
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_gpu_key_tiles_backward_matches_reference(name, nw, T, H, D, S, dtype, block_m):
+def test_gpu_tiles_kernels_match_reference(name, nw, T, H, D, S, dtype, block_m):
     B = 128 if dtype == torch.bfloat16 else 16
     qkv = make_qkv(B, nw, T, H, D, dtype, "cuda", seed=sum(map(ord, name)))
-    config = {"KEY_TILES_BWD": 1, "BLOCK_M_BWD": block_m}
-    assert wa.uses_key_tiles(wa.full_config(config, T, S, D, nw, qkv.dtype.itemsize), T)
+    config = dict(TILES, BLOCK_M=4 * block_m, BLOCK_M_BWD=block_m)
+    cfg = wa.full_config(config, T, S, D, nw, qkv.dtype.itemsize)
+    if dtype == torch.float32 and name == "stage3-global-cls":  # 208 x 128 fp32 keys: one-tile kernels
+        assert not wa.uses_key_tiles(cfg, T, D, 4) and not wa.uses_key_tiles(cfg, T, D, 4, forward=True)
+    else:
+        assert wa.uses_key_tiles(cfg, T, D, qkv.dtype.itemsize)
+        assert wa.uses_key_tiles(cfg, T, D, qkv.dtype.itemsize, forward=True)
     out, dqkv, ref, dref = run_both(qkv, nw, H, S, "max", config)
     torch.cuda.synchronize()
     assert_close_verbose("out", out, ref, dtype)

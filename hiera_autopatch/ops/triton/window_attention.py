@@ -24,12 +24,14 @@ Design, for Hiera's short windows (T = 16..196 keys, head_dim 32..128):
   fit one block, one kernel computes dk, dv and dq (delta = rowsum(P * dP), no read of ``out``);
   otherwise a small kernel computes delta = rowsum(dout * out), then a dk/dv kernel and a dq kernel
   run.
-- ``KEY_TILES_BWD`` (a config key, off unless ``TUNED`` sets it for a shape): with one window a
-  program, the one-pass backward holds the window's keys in up to three power-of-two tiles
-  (``key_tiles``: the decoder's 196 keys as 128+64+16 rows) instead of one tile padded to 256, so
-  a fifth of its multiplies and accumulator rows are not spent on padding. Built in session 33,
-  compiled for sm_90 (fewer spill bytes than the one-tile kernel at the decoder and stage-3 shapes);
-  not yet timed on a GPU.
+- Tiles kernels (config keys ``KEY_TILES`` forward, ``KEY_TILES_BWD`` backward; off unless
+  ``TUNED`` sets them for a shape), for one window a program: the window's keys in up to three
+  power-of-two tiles (``key_tiles``: the decoder's 196 keys as 128+64+16 rows) instead of one tile
+  padded to 256, and the forward's queries in full blocks plus a smaller last one (``query_tiles``:
+  3 x 64 + 16). About a fifth of the decoder's multiplies and accumulator rows, and half of
+  stage 3's (76 tokens: 80 rows, not 128), were spent on padding. Built in session 33, compiled for
+  sm_90 (no more spill bytes than the one-tile kernels at the decoder and stage-3 shapes); not yet
+  timed on a GPU.
 - dq goes back through the pool: for "max" to the first maximal of the S values (what torch's
   ``max(dim).values`` backward does), for "amax" split evenly among the tied maxima.
 
@@ -228,6 +230,81 @@ if HAS_TRITON:
         # lse (B, H, nw, Tq), base 2
         lse_off = ((b64 * H + h) * NW + w_q) * Tq + tq
         tl.store(LSE + lse_off, m_i + tl.log2(l_i), mask=q_ok)
+
+    @triton.jit
+    def _softmax_key_tile(q, k, v, FIRST: tl.constexpr, N: tl.constexpr, T: tl.constexpr, m_i, l_i, acc,
+                          qk_scale, DOT_PRECISION: tl.constexpr):
+        # one key tile into the running softmax of a query tile: (row max, row sum, P V), base 2
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N)
+        s = tl.where((FIRST + tl.arange(0, N) < T)[None, :], s, _MASKED)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _forward_query_tile(QKV, OUT, LSE, b64, w, h, first, NW, qk_scale,
+                            M: tl.constexpr, H: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+                            S: tl.constexpr, BLOCK_D: tl.constexpr,
+                            N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr):
+        # pooled queries first .. first+M-1 of window w, head h, against the window's keys in tiles
+        Tq: tl.constexpr = T // S
+        ROW: tl.constexpr = 3 * H * D
+        OUT_ROW: tl.constexpr = H * D
+        q_ptr = QKV + b64 * (NW * T * ROW) + h * D
+        k_ptr = q_ptr + H * D
+        v_ptr = q_ptr + 2 * H * D
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        tq = first + tl.arange(0, M)  # (M,)
+        q_ok = tq < Tq
+        q_mask = q_ok[:, None] & d_ok[None, :]
+        q = _load_pooled_q(q_ptr, tq, tq * 0 + w, q_mask, offs_d, NW, ROW, Tq, S)  # (M, BLOCK_D)
+        m_i = tl.full([M], _MASKED, tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, BLOCK_D], tl.float32)
+        _, _, k, v = _key_tile(k_ptr, v_ptr, w, NW, 0, N0, T, offs_d, d_ok, ROW)
+        m_i, l_i, acc = _softmax_key_tile(q, k, v, 0, N0, T, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        if N1 > 0:
+            _, _, k, v = _key_tile(k_ptr, v_ptr, w, NW, N0, N1, T, offs_d, d_ok, ROW)
+            m_i, l_i, acc = _softmax_key_tile(q, k, v, N0, N1, T, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        if N2 > 0:
+            _, _, k, v = _key_tile(k_ptr, v_ptr, w, NW, N0 + N1, N2, T, offs_d, d_ok, ROW)
+            m_i, l_i, acc = _softmax_key_tile(q, k, v, N0 + N1, N2, T, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        out = acc / l_i[:, None]
+        o_ptr = OUT + b64 * (NW * Tq * OUT_ROW) + h * D
+        tl.store(o_ptr + (tq * NW + w)[:, None] * OUT_ROW + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=q_mask)
+        tl.store(LSE + ((b64 * H + h) * NW + w) * Tq + tq, m_i + tl.log2(l_i), mask=q_ok)
+
+    @triton.jit
+    def _window_attention_fwd_tiles_kernel(
+        QKV, OUT, LSE, NW, n_q_tiles, qk_scale,
+        H: tl.constexpr, D: tl.constexpr, T: tl.constexpr, S: tl.constexpr,
+        BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_D: tl.constexpr,
+        N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    ):
+        pdl_start(PDL)
+        # One (batch, window, head, query tile): BLOCK_M queries, the last tile TAIL_M (0: BLOCK_M),
+        # so the decoder's 196 queries take 3 x 64 + 16 rows, not 4 x 64; the window's keys in up to
+        # three tiles (N0, N1, N2), as the key-tiles backward holds them. Same out and lse as
+        # ``_window_attention_fwd_kernel`` with G = 1.
+        b, w, h, mb = _program_coords(tl.program_id(0), H, NW, n_q_tiles)
+        b64 = b.to(tl.int64)
+        if TAIL_M > 0:
+            if mb < n_q_tiles - 1:
+                _forward_query_tile(QKV, OUT, LSE, b64, w, h, mb * BLOCK_M, NW, qk_scale, BLOCK_M, H, D, T, S,
+                                    BLOCK_D, N0, N1, N2, DOT_PRECISION)
+            else:
+                _forward_query_tile(QKV, OUT, LSE, b64, w, h, mb * BLOCK_M, NW, qk_scale, TAIL_M, H, D, T, S,
+                                    BLOCK_D, N0, N1, N2, DOT_PRECISION)
+        else:
+            _forward_query_tile(QKV, OUT, LSE, b64, w, h, mb * BLOCK_M, NW, qk_scale, BLOCK_M, H, D, T, S,
+                                BLOCK_D, N0, N1, N2, DOT_PRECISION)
 
     @triton.jit
     def _backward_pointers(QKV, DQKV, DOUT, b64, h, NW, T: tl.constexpr, Tq: tl.constexpr,
@@ -598,7 +675,7 @@ def default_config(T: int, q_stride: int, D: int, num_windows: int = 1 << 30, it
               "BLOCK_M": max(16, min(64, _next_pow2(G * Tq))),
               "BLOCK_N": max(16, min(128, _next_pow2(G * T), 32768 // (block_d * itemsize))),
               "num_warps": 4, "num_stages": 2}
-    config["KEY_TILES_BWD"] = 0
+    config["KEY_TILES"] = config["KEY_TILES_BWD"] = 0
     if itemsize == 2:
         config.update(TUNED.get((T, q_stride, D), {}))
     # backward holds k, v, dk, dv (BLOCK_N x BLOCK_D) and P, dP, dS (BLOCK_M x BLOCK_N) at once
@@ -618,7 +695,7 @@ BWD_KEYS = {"BLOCK_M_BWD": "BLOCK_M", "BLOCK_N_BWD": "BLOCK_N", "num_stages_bwd"
 """Backward block sizes and stages; each defaults to its forward value (the lse layout does not
 depend on blocks, so the two passes can tile differently)."""
 
-_CONFIG_KEYS = ("G", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
+_CONFIG_KEYS = ("G", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "KEY_TILES",
                 "BLOCK_M_BWD", "BLOCK_N_BWD", "num_warps_bwd", "num_stages_bwd", "KEY_TILES_BWD")
 
 
@@ -665,6 +742,17 @@ def window_attention_forward(
     grid = (B * n_groups * heads * n_q_blocks,)
     sm_scale = D ** -0.5
     pdl = _pdl(qkv)
+    if uses_key_tiles(cfg, T, D, qkv.dtype.itemsize, forward=True):
+        n_q_tiles, tail = query_tiles(Tq, BM)
+        n0, n1, n2 = key_tiles(T)
+        with _on_device(qkv):
+            _window_attention_fwd_tiles_kernel[(B * num_windows * heads * n_q_tiles,)](
+                qkv, out, lse, num_windows, n_q_tiles, sm_scale * _LOG2E,
+                H=heads, D=D, T=T, S=q_stride, BLOCK_M=BM, TAIL_M=tail, BLOCK_D=BD, N0=n0, N1=n1, N2=n2,
+                DOT_PRECISION=_dot_precision(qkv.dtype), PDL=pdl, num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"], launch_pdl=pdl,
+            )
+        return out, lse
     with _on_device(qkv):
         _window_attention_fwd_kernel[grid](
             qkv, out, lse,
@@ -677,7 +765,12 @@ def window_attention_forward(
 
 
 MAX_KEY_TILE_ROWS = 256
-"""The key-tiles backward holds a window's keys, rounded up to 16, in at most this many rows."""
+"""The tiles kernels hold a window's keys, rounded up to 16, in at most this many rows..."""
+
+MAX_KEY_TILE_BYTES = 64 * 1024
+"""... and its k in at most this many bytes (256 keys at head_dim 128 in bf16). Compiled for sm_90,
+the tiles backward of a 196-key window at head_dim 96 took 180 KB of shared memory in bf16 and
+245 KB in fp32, past the 227 KB a block may use (scripts/check_shared_memory.py)."""
 
 
 def key_tiles(T: int) -> Tuple[int, int, int]:
@@ -695,11 +788,27 @@ def key_tiles(T: int) -> Tuple[int, int, int]:
     return tuple(tiles + [0] * (3 - len(tiles)))
 
 
-def uses_key_tiles(cfg: Dict[str, int], T: int, bias_grad: bool = False) -> bool:
-    """The backward runs ``_window_attention_bwd_key_tiles_kernel``: asked for (``KEY_TILES_BWD``),
-    one window a program, the window's keys in at most ``MAX_KEY_TILE_ROWS`` rows, and no bias sums
-    wanted (that kernel does not take them; the one-tile kernel does)."""
-    return bool(cfg["KEY_TILES_BWD"]) and cfg["G"] == 1 and sum(key_tiles(T)) <= MAX_KEY_TILE_ROWS and not bias_grad
+def uses_key_tiles(cfg: Dict[str, int], T: int, D: int, itemsize: int, bias_grad: bool = False,
+                   forward: bool = False) -> bool:
+    """The backward runs ``_window_attention_bwd_key_tiles_kernel`` (``forward``: the forward runs
+    ``_window_attention_fwd_tiles_kernel``): asked for (``KEY_TILES_BWD`` / ``KEY_TILES``), one
+    window a program, the window's keys within ``MAX_KEY_TILE_ROWS`` and ``MAX_KEY_TILE_BYTES``, and,
+    backward, no bias sums wanted (that kernel does not take them; the one-tile kernel does)."""
+    asked = cfg["KEY_TILES"] if forward else cfg["KEY_TILES_BWD"] and not bias_grad
+    rows = sum(key_tiles(T))
+    return (bool(asked) and cfg["G"] == 1 and rows <= MAX_KEY_TILE_ROWS
+            and rows * max(16, _next_pow2(D)) * itemsize <= MAX_KEY_TILE_BYTES)
+
+
+def query_tiles(Tq: int, block_m: int) -> Tuple[int, int]:
+    """(query tiles, rows of the last one; 0: all ``block_m``) of the tiles forward: full tiles of
+    ``block_m`` queries, then the rest in the smallest power of two (>= 16) that holds it, where
+    that is smaller than ``block_m``: 196 at 64 -> (4, 16), 76 at 64 -> (2, 16), 64 at 64 -> (1, 0)."""
+    full, rest = divmod(Tq, block_m)
+    tail = max(16, _next_pow2(rest)) if rest else 0
+    if tail >= block_m:
+        return full + 1, 0
+    return full + (1 if rest else 0), tail
 
 
 def backward_is_single_pass(cfg: Dict[str, int], T: int) -> bool:
@@ -756,7 +865,7 @@ def window_attention_backward(
     single_kv = backward_is_single_pass(cfg, T)
     sm_scale = D ** -0.5
     pdl = _pdl(qkv)
-    if uses_key_tiles(cfg, T, bias_part is not None):
+    if uses_key_tiles(cfg, T, D, qkv.dtype.itemsize, bias_part is not None):
         n0, n1, n2 = key_tiles(T)
         with _on_device(qkv):
             _window_attention_bwd_key_tiles_kernel[(B * num_windows * heads,)](
