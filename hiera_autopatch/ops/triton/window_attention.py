@@ -474,7 +474,6 @@ if HAS_TRITON:
             part = DBIAS + ((b64 * n_groups + grp) * part_blocks + mb) * ROW + h * D + offs_d
             tl.store(part, dq_sums, mask=d_ok)
 
-
     @triton.jit
     def _key_tile(k_ptr, v_ptr, w, NW, FIRST: tl.constexpr, N: tl.constexpr, T: tl.constexpr,
                   offs_d, d_ok, ROW: tl.constexpr):
