@@ -287,24 +287,45 @@ def kernel_breakdown(fn, steps: int = 3, top: int = 15):
         prof.export_chrome_trace(path)
         with open(path) as fh:
             trace = json.load(fh)
-    kernels = sorted(
-        (e["ts"], e["ts"] + e["dur"]) for e in trace.get("traceEvents", [])
+    result.update(idle_gaps(trace.get("traceEvents", []), steps))
+    return result
+
+
+def idle_gaps(events, steps: int, top: int = 12) -> dict:
+    """GPU idle time between the kernels (and copies, memsets) of a Chrome trace, per step.
+
+    Short gaps (< 10 us) are launch latency, even inside a CUDA graph; long ones are the GPU
+    waiting on something else. ``long_gaps_top`` names the kernels on either side of the longest
+    kinds of long gap (summed over the steps, then per step), so a long gap can be traced to the
+    launch that causes it."""
+    spans = sorted(
+        (e["ts"], e["ts"] + e["dur"], e.get("name", "?")) for e in events
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
     )
-    if kernels:
-        short = long = 0.0
-        end = kernels[0][1]
-        for start, stop in kernels[1:]:
-            if start > end:
-                gap = start - end
-                if gap < 10:
-                    short += gap
-                else:
-                    long += gap
-            end = max(end, stop)
-        result["span_ms"] = (kernels[-1][1] - kernels[0][0]) / 1000 / steps
-        result["gaps_ms"] = {"short": short / 1000 / steps, "long": long / 1000 / steps}
-    return result
+    if not spans:
+        return {}
+    short = long = 0.0
+    by_pair: dict[tuple[str, str], list[float]] = {}
+    end, last = spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gap = start - end
+            if gap < 10:
+                short += gap
+            else:
+                long += gap
+                pair = by_pair.setdefault((last[:60], name[:60]), [0.0, 0])
+                pair[0] += gap
+                pair[1] += 1
+        if stop >= end:
+            end, last = stop, name
+    ranked = sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "span_ms": (spans[-1][1] - spans[0][0]) / 1000 / steps,
+        "gaps_ms": {"short": short / 1000 / steps, "long": long / 1000 / steps},
+        "long_gaps_top": [{"after": a, "before": b, "ms": us / 1000 / steps, "count": n / steps}
+                          for (a, b), (us, n) in ranked],
+    }
 
 
 def matmul_flops(op: str, shapes) -> int:
