@@ -305,7 +305,7 @@ def idle_gaps(events, steps: int, top: int = 12) -> dict:
     if not spans:
         return {}
     short = long = 0.0
-    by_pair: dict[tuple[str, str], list[float]] = {}
+    by_pair: dict[tuple[str, str], list] = {}  # (kernel before, kernel after) -> [us, count]
     end, last = spans[0][1], spans[0][2]
     for start, stop, name in spans[1:]:
         if start > end:

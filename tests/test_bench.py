@@ -450,14 +450,16 @@ def test_results_table_takes_timed_profiles_and_leaves_flop_counts_out(tmp_path)
             json.dump(data, f)
     assert [os.path.basename(p) for p, _ in table.load(paths)] == ["timed.json"]
 
+
 def test_profile_step_idle_gaps_split_short_from_long_and_name_the_long_ones():
     profile_step = _load_script("profile_step")
 
     def kernel(name, ts, dur):
         return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
 
-    # Two steps of a, b, c: a 2 us gap a->b, a 30 us gap b->c (c also overlaps nothing), and a
-    # 50 us gap between the steps; a CPU event and a kernel inside another's span are ignored.
+    # Two steps of a, b, c: a 2 us gap a->b, a 30 us gap b->c and a 50 us gap between the steps.
+    # A CPU event is ignored, and a kernel inside c's span neither opens a gap nor becomes the
+    # kernel the next gap comes after.
     events = [kernel("a", 0, 10), kernel("b", 12, 10), {"cat": "cpu_op", "name": "x", "ts": 0, "dur": 999},
               kernel("c", 52, 10), kernel("inner", 53, 2),
               kernel("a", 112, 10), kernel("b", 124, 10), kernel("c", 164, 10)]
